@@ -1,0 +1,100 @@
+"""Which adapters sit in device slots: a policy behind a Protocol.
+
+The scheduler asks for a slot when it admits a request and releases it when the request leaves
+the running set. An adapter with running requests is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+from loraplex.spec.adapter import AdapterId
+
+
+@dataclass
+class SlotGrant:
+    slot: int
+    loaded: bool  # True when the adapter must be copied into the slot before it is used
+    evicted: AdapterId | None = None
+
+
+class AdapterResidency(Protocol):
+    num_slots: int
+
+    def acquire(self, adapter: AdapterId) -> SlotGrant | None:
+        """Pin `adapter` in a slot for one more request; None when every slot is pinned."""
+
+    def release(self, adapter: AdapterId) -> None:
+        """One request of `adapter` left the running set."""
+
+    def slot_of(self, adapter: AdapterId) -> int | None: ...
+
+    def retire(self, adapter: AdapterId) -> int | None:
+        """Forget `adapter` once no request uses it; returns the slot it freed, if any now."""
+
+    def resident(self) -> list[AdapterId]: ...
+
+
+class LruResidency:
+    """At most `num_slots` adapters resident; the least recently used unpinned one leaves first."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError("adapter residency needs at least one slot")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[AdapterId, int] = OrderedDict()  # LRU order, oldest first
+        self._pins: dict[AdapterId, int] = {}
+
+    def acquire(self, adapter: AdapterId) -> SlotGrant | None:
+        if adapter in self._slots:
+            self._slots.move_to_end(adapter)
+            self._pins[adapter] = self._pins.get(adapter, 0) + 1
+            return SlotGrant(self._slots[adapter], loaded=False)
+        free = self._free_slot()
+        evicted = None
+        if free is None:
+            victim = next((a for a in self._slots if not self._pins.get(a)), None)
+            if victim is None:
+                return None
+            free = self._slots.pop(victim)
+            evicted = victim
+        self._slots[adapter] = free
+        self._pins[adapter] = 1
+        return SlotGrant(free, loaded=True, evicted=evicted)
+
+    def release(self, adapter: AdapterId) -> None:
+        pins = self._pins.get(adapter, 0) - 1
+        if pins < 0:
+            raise ValueError(f"adapter {adapter} released more often than acquired")
+        self._pins[adapter] = pins
+
+    def slot_of(self, adapter: AdapterId) -> int | None:
+        return self._slots.get(adapter)
+
+    def pins(self, adapter: AdapterId) -> int:
+        return self._pins.get(adapter, 0)
+
+    def retire(self, adapter: AdapterId) -> int | None:
+        if adapter not in self._slots or self._pins.get(adapter):
+            return None
+        self._pins.pop(adapter, None)
+        return self._slots.pop(adapter)
+
+    def resident(self) -> list[AdapterId]:
+        return list(self._slots)
+
+    def _free_slot(self) -> int | None:
+        used = set(self._slots.values())
+        return next((s for s in range(self.num_slots) if s not in used), None)
+
+
+RESIDENCY_POLICIES = {"lru": LruResidency}
+
+
+def make_residency(name: str, num_slots: int) -> AdapterResidency:
+    try:
+        return RESIDENCY_POLICIES[name](num_slots)
+    except KeyError:
+        raise ValueError(f"unknown adapter residency policy {name!r}; choose from {sorted(RESIDENCY_POLICIES)}") from None

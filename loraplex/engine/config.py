@@ -1,0 +1,28 @@
+"""Engine settings, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024  # KV pages on the device; the torch executor sizes this from memory
+    max_num_seqs: int = 64  # requests in the running batch
+    max_num_batched_tokens: int = 512  # per-step token budget; longer prompts are chunked
+    max_loras: int = 8  # adapters resident on the device at once
+    max_lora_rank: int = 64
+    scheduler: str = "fifo"
+    residency: str = "lru"
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs",
+                     "max_num_batched_tokens", "max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({self.num_blocks} blocks of {self.block_size} tokens) cannot hold one "
+                f"request of max_model_len={self.max_model_len}; lower max_model_len or add memory")

@@ -1,0 +1,120 @@
+"""EngineCore: the `schedule -> execute -> update` loop over a scheduler and an executor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.engine.adapter_residency import make_residency
+from loraplex.engine.clock import Clock, MonotonicClock
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.executor import Executor
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.messages import RequestOutput
+from loraplex.engine.page_pool import PagePool
+from loraplex.engine.request import Request
+from loraplex.engine.scheduler import make_scheduler
+from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.spec.errors import AdapterError, ConflictError, InvalidRequestError, NotFoundError
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    resident_adapters: list[AdapterId]
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    adapter_loads_total: int
+    steps_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, clock: Clock | None = None) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock or MonotonicClock()
+        self.pool = PagePool(config.num_blocks)
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.residency = make_residency(config.residency, config.max_loras)
+        self.adapters: dict[str, AdapterInfo] = {}
+        self.scheduler = make_scheduler(config, self.kv, self.residency, self._rank_of, self.clock)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._adapter_loads = 0
+        self._steps = 0
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    def add_adapter(self, info: AdapterInfo) -> None:
+        if info.id.name in self.adapters:
+            raise ConflictError(f"adapter {info.id.name!r} is already loaded; unload it first",
+                                param="lora_name")
+        if not 1 <= info.rank <= self.config.max_lora_rank:
+            raise AdapterError(f"adapter {info.id.name!r} has rank {info.rank}, above this engine's "
+                               f"max_lora_rank={self.config.max_lora_rank}")
+        self.adapters[info.id.name] = info
+
+    def remove_adapter(self, name: str) -> AdapterInfo:
+        """New requests for `name` are refused at once; running ones finish with the weights they have."""
+        info = self.adapters.pop(name, None)
+        if info is None:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
+        self.scheduler.retire_adapter(info.id)
+        return info
+
+    def _rank_of(self, adapter: AdapterId) -> int:
+        info = self.adapters.get(adapter.name)
+        if info is not None and info.id == adapter:
+            return info.rank
+        raise NotFoundError(f"adapter {adapter} is not loaded")
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if request.num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{request.num_prompt_tokens} tokens", param="prompt", code="context_length_exceeded")
+        if request.adapter is not None:
+            info = self.adapters.get(request.adapter.name)
+            if info is None or info.id != request.adapter:
+                raise NotFoundError(f"adapter {request.adapter.name!r} is not loaded", param="model")
+        request.arrival_time = request.arrival_time or self.clock.now()
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if output.is_empty and not output.finished_request_ids:
+            return []
+        result = self.executor.execute(output)
+        outputs = self.scheduler.update(output, result)
+        self._steps += 1
+        self._adapter_loads += len(output.adapter_loads)
+        self._generation_tokens += len(outputs)
+        self._prompt_tokens += sum(o.num_prompt_tokens for o in outputs if o.num_output_tokens == 1)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=self.kv.num_free_blocks, num_blocks=self.pool.num_pages,
+            num_preemptions=getattr(self.scheduler, "num_preemptions", 0),
+            resident_adapters=self.residency.resident(), prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens, adapter_loads_total=self._adapter_loads,
+            steps_total=self._steps)

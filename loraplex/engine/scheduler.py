@@ -1,0 +1,263 @@
+"""The scheduler seam and the FIFO scheduler.
+
+There are no prefill or decode phases, only a per-step token budget: every request is given tokens
+so that its computed tokens catch up with its known tokens (prompt chunks first, then one token per
+decode). Running requests go first, oldest first; when KV blocks run out the newest running request
+is preempted and recomputed later. Waiting requests are admitted in arrival order while the budget,
+the batch size, memory and adapter slots allow; a request whose adapter cannot get a slot is skipped
+for this step, keeping its place in the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from loraplex.engine.adapter_residency import AdapterResidency
+from loraplex.engine.clock import Clock
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.messages import (
+    NO_ADAPTER_SLOT,
+    AdapterLoad,
+    ExecutorResult,
+    RequestOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.stopping import finish_reason
+from loraplex.spec.adapter import AdapterId
+
+RankOf = Callable[[AdapterId], int]
+
+
+class Scheduler(Protocol):
+    """A step's policy. `schedule` says what one forward pass computes; `update` applies its result."""
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> Request | None: ...
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]: ...
+
+    def retire_adapter(self, adapter: AdapterId) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+
+class FifoScheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
+                 rank_of: RankOf, clock: Clock) -> None:
+        self.config = config
+        self.kv = kv
+        self.residency = residency
+        self.rank_of = rank_of
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._slots: dict[str, int] = {}  # request_id -> adapter slot, while it holds one
+        self._retiring: set[AdapterId] = set()
+        self._evictions: list[int] = []
+        self._finished: list[str] = []
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def retire_adapter(self, adapter: AdapterId) -> None:
+        """Drop `adapter` from its slot as soon as no running request uses it."""
+        self._retiring.add(adapter)
+        self._try_retire(adapter)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(adapter_evictions=self._evictions, finished_request_ids=self._finished)
+        self._evictions, self._finished = [], []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_request_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
+        outputs = []
+        now = self.clock.now()
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.sample:
+                outputs.append(self._append_token(request, result, now))
+        return outputs
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_tokens, out):
+                out.chunks.append(self._chunk(request, num_tokens))
+                budget -= num_tokens
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            if not self._acquire_slot(request, out):
+                skipped.append(request)
+                continue
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate(request, num_tokens):
+                self._release_slot(request)
+                self.waiting.appendleft(request)
+                break
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock.now()
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_tokens))
+            budget -= num_tokens
+        self.waiting.extendleft(reversed(skipped))
+
+    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_tokens],
+            start_position=start,
+            block_ids=list(request.block_ids),
+            adapter_slot=self._slots.get(request.request_id, NO_ADAPTER_SLOT),
+            sample=start + num_tokens == request.num_tokens,
+            sampling=request.sampling,
+            num_output_tokens=len(request.output_token_ids),
+        )
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        self._release_slot(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    def _acquire_slot(self, request: Request, out: SchedulerOutput) -> bool:
+        if request.adapter is None:
+            return True
+        grant = self.residency.acquire(request.adapter)
+        if grant is None:
+            return False
+        if grant.loaded:
+            out.adapter_loads.append(AdapterLoad(grant.slot, request.adapter, self.rank_of(request.adapter)))
+        self._slots[request.request_id] = grant.slot
+        return True
+
+    def _release_slot(self, request: Request) -> None:
+        if self._slots.pop(request.request_id, None) is None:
+            return
+        self.residency.release(request.adapter)
+        self._try_retire(request.adapter)
+
+    def _try_retire(self, adapter: AdapterId) -> None:
+        if adapter not in self._retiring:
+            return
+        slot = self.residency.retire(adapter)
+        if slot is not None:
+            self._evictions.append(slot)
+            self._retiring.discard(adapter)
+        elif self.residency.slot_of(adapter) is None:
+            self._retiring.discard(adapter)
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def _append_token(self, request: Request, result: ExecutorResult, now: float) -> RequestOutput:
+        token = result.sampled[request.request_id]
+        request.output_token_ids.append(token.token_id)
+        request.output_logprobs.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        reason = finish_reason(request, self.config.max_model_len)
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason)
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[token.token_id], new_logprobs=[token],
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
+            finished=reason is not None, finish_reason=reason)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.block_ids:
+            self.kv.free(request)
+        self._release_slot(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = self.clock.now()
+        del self.requests[request.request_id]
+        self._finished.append(request.request_id)
+
+
+SCHEDULERS = {"fifo": FifoScheduler}
+
+
+def make_scheduler(config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
+                   rank_of: RankOf, clock: Clock) -> Scheduler:
+    try:
+        cls = SCHEDULERS[config.scheduler]
+    except KeyError:
+        raise ValueError(f"unknown scheduler {config.scheduler!r}; choose from {sorted(SCHEDULERS)}") from None
+    return cls(config, kv, residency, rank_of, clock)

