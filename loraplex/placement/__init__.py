@@ -1,0 +1,28 @@
+"""Adapter placement (pure): which servers serve each adapter and with what traffic fraction φ.
+`make_policy(name)` picks LoRAServe's Algorithm 1 or a baseline; `PlacementController` runs a policy
+over a RoutingStore every interval."""
+
+from loraplex.placement.controller import ControllerReport, PlacementController, WallClock, build_input
+from loraplex.placement.forecast import FORECASTERS, ewma, last_window, make_forecaster
+from loraplex.placement.operating_points import (
+    DEFAULT_CPU,
+    DEFAULT_GPU,
+    OperatingPoints,
+    OperatingPointsError,
+    default_operating_points,
+)
+from loraplex.placement.policy import POLICY_NAMES, PlacementPolicy, make_policy
+from loraplex.placement.snapshot import (
+    Placement,
+    PlacementAdapter,
+    PlacementError,
+    PlacementInput,
+    PlacementServer,
+)
+
+__all__ = [
+    "DEFAULT_CPU", "DEFAULT_GPU", "FORECASTERS", "POLICY_NAMES", "ControllerReport", "OperatingPoints",
+    "OperatingPointsError", "Placement", "PlacementAdapter", "PlacementController", "PlacementError",
+    "PlacementInput", "PlacementPolicy", "PlacementServer", "WallClock", "build_input",
+    "default_operating_points", "ewma", "last_window", "make_forecaster", "make_policy",
+]

@@ -1,0 +1,146 @@
+"""The placement controller: every interval (and at once when servers or adapters change) read
+demand, healthy servers, the adapter registry and the last table from a RoutingStore, place, and
+publish a new table version if the routes changed. Used by the operator and by `loraplex up`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loraplex.engine.clock import Clock
+from loraplex.placement.forecast import Forecaster, ewma
+from loraplex.placement.operating_points import OperatingPoints
+from loraplex.placement.policy import PlacementPolicy
+from loraplex.placement.snapshot import (
+    Placement,
+    PlacementAdapter,
+    PlacementError,
+    PlacementInput,
+    PlacementServer,
+)
+from loraplex.routing.demand import DEFAULT_WINDOWS, DemandWindows
+from loraplex.routing.records import AdapterRecord, ServerRecord
+from loraplex.routing.store import RoutingStore, StoreUnavailableError
+from loraplex.routing.table import RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+class WallClock:
+    """Seconds since the epoch: demand windows are keyed by wall time shared with the routers."""
+
+    def now(self) -> float:
+        return time.time()
+
+
+@dataclass(frozen=True)
+class ControllerReport:
+    """What one run did. `outcome`: "published", "unchanged", "no-servers" or "no-adapters"."""
+
+    outcome: str
+    version: int | None                    # the current version after the run
+    required_servers: int = 0              # the autoscaling signal (ceil of Σ load)
+    unplaceable: tuple[str, ...] = ()
+    placement: Placement | None = None
+
+
+@dataclass(frozen=True)
+class _Observed:
+    servers: list[ServerRecord]
+    adapters: list[AdapterRecord]
+    version: int | None
+
+    def fingerprint(self) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, str, int]]]:
+        return (frozenset((s.id, s.max_rank) for s in self.servers),
+                frozenset((a.name, a.digest, a.rank) for a in self.adapters))
+
+
+def build_input(servers: Sequence[ServerRecord], adapters: Sequence[AdapterRecord], demand: DemandWindows,
+                operating_points: OperatingPoints, previous: RoutingTable | None,
+                forecaster: Forecaster = ewma) -> PlacementInput:
+    """The policy's snapshot: forecast tokens/s from the observed windows; an adapter never observed
+    in them uses its declared `expected_tps`."""
+    placement_adapters = [
+        PlacementAdapter(a.name, a.digest, a.rank,
+                         forecaster(demand.rates[a.name]) if a.name in demand.rates else a.expected_tps,
+                         a.locations)
+        for a in adapters]
+    placement_servers = [PlacementServer(s.id, s.max_rank) for s in servers]
+    return PlacementInput(placement_servers, placement_adapters, operating_points, previous)
+
+
+class PlacementController:
+    def __init__(self, store: RoutingStore, policy: PlacementPolicy, clock: Clock, interval_s: float,
+                 operating_points: OperatingPoints, windows: int = DEFAULT_WINDOWS,
+                 forecaster: Forecaster = ewma, phi_tolerance: float = 1e-3) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"placement interval must be positive, got {interval_s}")
+        self.store, self.policy, self.clock = store, policy, clock
+        self.interval_s = interval_s
+        self.operating_points = operating_points
+        self.windows = windows
+        self.forecaster = forecaster
+        self.phi_tolerance = phi_tolerance
+        self._last_version = 0        # numbering stays monotonic even if the store lost its tables
+        self._last_run: float | None = None
+        self._last_fingerprint: object = None
+
+    def run_once(self) -> ControllerReport:
+        """Place now and publish if the routes changed."""
+        return self._place(self._observe())
+
+    def step(self) -> ControllerReport | None:
+        """Places when the interval has passed, the set of servers or adapters changed, or the store
+        no longer holds the table this controller published (e.g. Redis restarted); else None."""
+        observed = self._observe()
+        now = self.clock.now()
+        due = self._last_run is None or now - self._last_run >= self.interval_s
+        changed = observed.fingerprint() != self._last_fingerprint
+        lost = self._last_version > 0 and observed.version != self._last_version
+        return self._place(observed) if due or changed or lost else None
+
+    def run_forever(self, stop: threading.Event, poll_s: float = 1.0) -> None:
+        """Calls step() every `poll_s` until `stop` is set; store outages and placement errors are
+        logged and retried at the next poll."""
+        while not stop.is_set():
+            try:
+                self.step()
+            except StoreUnavailableError as exc:
+                log.warning("placement skipped: %s", exc)
+            except PlacementError as exc:
+                log.error("placement failed: %s", exc)
+            stop.wait(poll_s)
+
+    def _observe(self) -> _Observed:
+        return _Observed(self.store.healthy_servers(), self.store.adapters(), self.store.current_version())
+
+    def _place(self, observed: _Observed) -> ControllerReport:
+        now = self.clock.now()
+        self._last_run = now
+        self._last_fingerprint = observed.fingerprint()
+        if not observed.adapters:
+            return ControllerReport("no-adapters", observed.version)
+        if not observed.servers:
+            return ControllerReport("no-servers", observed.version)  # keep routing to the last table
+        previous = self.store.read_table()
+        demand = self.store.demand_windows(now, self.windows)
+        inp = build_input(observed.servers, observed.adapters, demand, self.operating_points, previous,
+                          self.forecaster)
+        placement = self.policy.place(inp)
+        if placement.unplaceable:
+            log.warning("no healthy server can hold adapters %s", ", ".join(placement.unplaceable))
+        version = max(previous.version if previous else 0, self._last_version) + 1
+        table = placement.to_table(version, now, inp.adapters)
+        report = dict(required_servers=placement.required_servers, unplaceable=placement.unplaceable,
+                      placement=placement)
+        if previous is not None and table.same_routes(previous, self.phi_tolerance):
+            self._last_version = previous.version
+            return ControllerReport("unchanged", previous.version, **report)
+        self.store.publish_table(table)
+        self._last_version = version
+        log.info("published routing table v%d for pool %s (%d adapters, %d servers)", version,
+                 self.store.pool, len(table.entries), len(table.servers()))
+        return ControllerReport("published", version, **report)

@@ -1,0 +1,51 @@
+"""Demand counters in fixed time windows. The router adds tokens (prompt + output) per adapter to the
+bucket of the current window; placement reads the last complete windows as tokens/s."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_WINDOW_S = 10.0
+DEFAULT_WINDOWS = 6  # one minute of history, the paper's time-step scale
+
+
+def bucket_of(now: float, window_s: float) -> int:
+    """Index of the window containing `now` (seconds since the epoch)."""
+    if window_s <= 0:
+        raise ValueError(f"window must be positive, got {window_s}")
+    return math.floor(now / window_s)
+
+
+def complete_buckets(now: float, window_s: float, count: int) -> list[int]:
+    """The last `count` windows that have ended, oldest first; the current one is still filling."""
+    if count <= 0:
+        raise ValueError(f"window count must be positive, got {count}")
+    current = bucket_of(now, window_s)
+    return list(range(current - count, current))
+
+
+def bucket_ttl_s(window_s: float, count: int) -> int:
+    """How long a bucket key must live: long enough to be read as the oldest of `count` windows."""
+    return math.ceil(window_s * (count + 2))
+
+
+@dataclass(frozen=True)
+class DemandWindows:
+    """Observed tokens/s per adapter in consecutive complete windows, oldest first.
+    Adapters with no tokens in any window are absent."""
+
+    window_s: float
+    rates: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def mean_tps(self, adapter: str) -> float:
+        series = self.rates.get(adapter)
+        return sum(series) / len(series) if series else 0.0
+
+    @classmethod
+    def from_counts(cls, window_s: float, counts: list[Mapping[str, int]]) -> DemandWindows:
+        """Builds the rates from per-window token counts (oldest first), as read from the store."""
+        names = {name for window in counts for name in window}
+        rates = {name: tuple(window.get(name, 0) / window_s for window in counts) for name in names}
+        return cls(window_s, rates)

@@ -1,0 +1,69 @@
+"""The Redis key layout of one pool. Every key starts with `loraplex:{<pool>}:`; the braces are a
+Redis Cluster hash tag, so all keys of a pool live in one slot and one MULTI/EXEC can touch them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_POOL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def validate_pool_name(pool: str) -> str:
+    if not _POOL.match(pool):
+        raise ValueError(f"invalid pool name {pool!r}: use a DNS label (lowercase letters, digits, '-')")
+    return pool
+
+
+@dataclass(frozen=True)
+class PoolKeys:
+    """Key names for one pool (see docs/cluster.md for the value formats)."""
+
+    pool: str
+
+    def __post_init__(self) -> None:
+        validate_pool_name(self.pool)
+
+    @property
+    def prefix(self) -> str:
+        return f"loraplex:{{{self.pool}}}:"
+
+    # routing table
+    def table(self, version: int) -> str:
+        """STRING: the JSON of one table version (encode_table); expires once superseded."""
+        return f"{self.prefix}table:{version}"
+
+    @property
+    def current_version(self) -> str:
+        """STRING: the decimal version of the current table; set in the same MULTI as the table."""
+        return f"{self.prefix}table:current"
+
+    @property
+    def versions_channel(self) -> str:
+        """PUB/SUB channel: each new current version is published as its decimal number."""
+        return f"{self.prefix}table:announce"
+
+    # server registry
+    @property
+    def servers(self) -> str:
+        """SET: ids of servers that have registered; an id whose record key expired is stale."""
+        return f"{self.prefix}servers"
+
+    def server(self, server_id: str) -> str:
+        """STRING with TTL: the server's ServerRecord JSON; each heartbeat rewrites it and renews the TTL."""
+        return f"{self.prefix}server:{server_id}"
+
+    # adapter registry
+    @property
+    def adapters(self) -> str:
+        """HASH: adapter name -> AdapterRecord JSON (without locations)."""
+        return f"{self.prefix}adapters"
+
+    def locations(self, adapter: str) -> str:
+        """SET: ids of servers that hold the adapter in host memory."""
+        return f"{self.prefix}locations:{adapter}"
+
+    # demand
+    def demand(self, bucket: int) -> str:
+        """HASH with TTL: adapter name -> tokens counted during window `bucket` (HINCRBY)."""
+        return f"{self.prefix}demand:{bucket}"

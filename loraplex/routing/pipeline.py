@@ -1,0 +1,263 @@
+"""The router's policy: filters -> weighted scorers -> one picker, over a snapshot of candidates.
+
+Pure and torch-free, with an injected random source, so the router and the simulator run the very
+same code. The shape follows the Gateway API Inference Extension's endpoint picker: filters drop
+servers, each scorer gives every survivor a score in [0, 1], the scores are summed with weights
+that are data, and a picker chooses one server from the weighted scores.
+
+The default profile is LoRAServe's: keep healthy servers the table assigns the adapter to, score
+each by its φ and pick at random in proportion to the score, so P(server) = φ renormalised over the
+healthy servers (paper §3.8).
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Residency(enum.IntEnum):
+    """Where a server holds an adapter; higher is closer to the GPU."""
+
+    NONE = 0
+    HOST = 1
+    GPU = 2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One server as the policy sees it for one request."""
+
+    server_id: str
+    healthy: bool = True
+    phi: float = 0.0                    # the table's φ(adapter, server); 0 when not assigned
+    residency: Residency = Residency.NONE
+    queue_depth: int = 0                # running + waiting requests (best knowledge)
+    max_rank: int | None = None         # the largest rank the server accepts; None: no limit
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the policy needs to know about a request: the adapter (None for the base model)."""
+
+    adapter: str | None
+    rank: int | None = None
+
+
+class Filter(Protocol):
+    """Drops candidates that must not serve the request. May return an empty list."""
+
+    name: str
+
+    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]: ...
+
+
+class Scorer(Protocol):
+    """Scores every candidate in [0, 1], 1 being best. Returns one score per candidate, in order."""
+
+    name: str
+
+    def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    """Chooses one candidate from weighted scores (same order as the candidates)."""
+
+    name: str
+
+    def pick(self, candidates: list[Candidate], scores: list[float], rng: random.Random) -> Candidate: ...
+
+
+class NoCandidateError(Exception):
+    """No server can take the request; `reason` names the filter that emptied the list."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"no server can take the request ({reason})")
+        self.reason = reason
+
+
+# ---- filters --------------------------------------------------------------------------------
+
+
+class HealthyFilter:
+    name = "healthy"
+
+    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
+        return [c for c in candidates if c.healthy]
+
+
+class RankFilter:
+    """Keeps servers whose maximum rank admits the adapter's rank (unknown rank or limit: keep)."""
+
+    name = "rank"
+
+    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
+        if request.rank is None:
+            return candidates
+        return [c for c in candidates if c.max_rank is None or c.max_rank >= request.rank]
+
+
+class AssignedFilter:
+    """Keeps the servers the table assigns the adapter to (φ > 0).
+
+    Fallbacks for the cases the paper leaves open (notes §3.8): no assigned server left, then the
+    servers that physically hold the adapter; none of those either (a new adapter the placement has
+    not seen yet), then every candidate, because any agent can fetch the adapter on a miss.
+    Requests for the base model keep every candidate.
+    """
+
+    name = "assigned"
+
+    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
+        if request.adapter is None:
+            return candidates
+        assigned = [c for c in candidates if c.phi > 0]
+        if assigned:
+            return assigned
+        holding = [c for c in candidates if c.residency > Residency.NONE]
+        return holding or candidates
+
+
+# ---- scorers --------------------------------------------------------------------------------
+
+
+class PhiScorer:
+    """φ itself: with the weighted-random picker this is LoRAServe's routing."""
+
+    name = "phi"
+
+    def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
+        return [min(max(c.phi, 0.0), 1.0) for c in candidates]
+
+
+class QueueScorer:
+    """Shorter queues score higher: min-max normalised, 1.0 for all when the queues are equal."""
+
+    name = "queue"
+
+    def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
+        depths = [c.queue_depth for c in candidates]
+        low, high = min(depths), max(depths)
+        if high == low:
+            return [1.0] * len(candidates)
+        return [(high - d) / (high - low) for d in depths]
+
+
+class ResidencyScorer:
+    """GPU-resident 1.0, in host memory 0.7, absent 0.0 (the tiers llm-d's load-state scorer uses)."""
+
+    name = "residency"
+    tiers = {Residency.GPU: 1.0, Residency.HOST: 0.7, Residency.NONE: 0.0}
+
+    def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
+        if request.adapter is None:
+            return [1.0] * len(candidates)
+        return [self.tiers[c.residency] for c in candidates]
+
+
+# ---- pickers --------------------------------------------------------------------------------
+
+
+class WeightedRandomPicker:
+    """P(candidate) ∝ its score; uniform when every score is 0."""
+
+    name = "weighted-random"
+
+    def pick(self, candidates: list[Candidate], scores: list[float], rng: random.Random) -> Candidate:
+        total = sum(scores)
+        if total <= 0:
+            return candidates[rng.randrange(len(candidates))]
+        point = rng.random() * total
+        for candidate, score in zip(candidates, scores, strict=True):
+            point -= score
+            if point < 0:
+                return candidate
+        return candidates[-1]  # rounding left `point` at ~0 after the last positive score
+
+
+class MaxScorePicker:
+    """The best score; ties broken at random."""
+
+    name = "max-score"
+
+    def pick(self, candidates: list[Candidate], scores: list[float], rng: random.Random) -> Candidate:
+        best = max(scores)
+        return rng.choice([c for c, s in zip(candidates, scores, strict=True) if s >= best - 1e-12])
+
+
+# ---- profile --------------------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    """One run of filters -> weighted scorers -> picker."""
+
+    filters: Sequence[Filter]
+    scorers: Sequence[tuple[Scorer, float]]
+    picker: Picker
+    rng: random.Random = field(default_factory=random.Random)
+
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
+        survivors = list(candidates)
+        if not survivors:
+            raise NoCandidateError("no servers")
+        for f in self.filters:
+            survivors = f.filter(request, survivors)
+            if not survivors:
+                raise NoCandidateError(f.name)
+        return self.picker.pick(survivors, self._scores(request, survivors), self.rng)
+
+    def _scores(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
+        total = [0.0] * len(candidates)
+        for scorer, weight in self.scorers:
+            for i, s in enumerate(scorer.score(request, candidates)):
+                total[i] += weight * min(max(s, 0.0), 1.0)
+        return total
+
+
+FILTERS: dict[str, Callable[[], Filter]] = {
+    f.name: f for f in (HealthyFilter, RankFilter, AssignedFilter)}
+SCORERS: dict[str, Callable[[], Scorer]] = {
+    s.name: s for s in (PhiScorer, QueueScorer, ResidencyScorer)}
+PICKERS: dict[str, Callable[[], Picker]] = {
+    p.name: p for p in (WeightedRandomPicker, MaxScorePicker)}
+
+# name -> (scorer weights, picker). Every profile filters healthy -> rank -> assigned.
+PROFILES: dict[str, tuple[dict[str, float], str]] = {
+    "loraserve": ({"phi": 1.0}, "weighted-random"),
+    "load-aware": ({"phi": 1.0, "queue": 1.0, "residency": 0.5}, "weighted-random"),
+}
+
+
+def make_profile(name: str = "loraserve", rng: random.Random | None = None,
+                 scorers: dict[str, float] | None = None, picker: str | None = None) -> Profile:
+    """Build a profile by name; `scorers` and `picker` override the named profile's choices."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown routing profile {name!r}; choose one of {sorted(PROFILES)}")
+    default_scorers, default_picker = PROFILES[name]
+    weights = scorers if scorers is not None else default_scorers
+    picker_name = picker or default_picker
+    unknown = sorted(set(weights) - set(SCORERS)) + ([picker_name] if picker_name not in PICKERS else [])
+    if unknown:
+        raise ValueError(f"unknown scorer or picker {unknown}; scorers: {sorted(SCORERS)}, "
+                         f"pickers: {sorted(PICKERS)}")
+    if any(w < 0 for w in weights.values()):
+        raise ValueError(f"scorer weights must be >= 0, got {weights}")
+    return Profile(filters=[FILTERS[n]() for n in ("healthy", "rank", "assigned")],
+                   scorers=[(SCORERS[n](), w) for n, w in weights.items()],
+                   picker=PICKERS[picker_name](), rng=rng or random.Random())
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """'phi=1,queue=0.5' -> {'phi': 1.0, 'queue': 0.5} (CLI and config helper)."""
+    weights: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            weights[name.strip()] = float(value) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"bad scorer weight {part!r}; write NAME=NUMBER") from None
+    return weights

@@ -1,0 +1,43 @@
+"""Random placement inputs for property tests (seeded loops; hypothesis is not installed)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from loraplex.placement import OperatingPoints, PlacementAdapter, PlacementInput, PlacementServer
+
+RANKS = (8, 16, 32, 64, 128)
+OP = OperatingPoints({8: 4000.0, 16: 3600.0, 32: 3200.0, 64: 2600.0, 128: 2000.0})
+
+
+def random_input(rng: random.Random, previous=None, max_servers: int = 12, max_adapters: int = 60,
+                 capabilities: tuple[int, ...] = (128,)) -> PlacementInput:
+    servers = [PlacementServer(f"s{i:02d}", rng.choice(capabilities), healthy=rng.random() > 0.15)
+               for i in range(rng.randint(1, max_servers))]
+    if not any(s.healthy for s in servers):
+        servers[0] = PlacementServer(servers[0].id, max(capabilities))
+    adapters = []
+    for i in range(rng.randint(0, max_adapters)):
+        # Zipf-like popularity with many cold adapters
+        demand = 0.0 if rng.random() < 0.3 else 3000.0 / (i + 1) ** rng.uniform(0.5, 1.5) * rng.uniform(0.1, 4)
+        adapters.append(PlacementAdapter(f"a{i:03d}", f"sha256:{i}", rng.choice(RANKS), demand))
+    return PlacementInput(servers, adapters, OP, previous)
+
+
+def server_loads(inp: PlacementInput, weights) -> dict[str, float]:
+    loads: dict[str, float] = {}
+    by_name = {a.name: a for a in inp.adapters}
+    for name, routes in weights.items():
+        for server, phi in routes.items():
+            loads[server] = loads.get(server, 0.0) + phi * inp.load(by_name[name])
+    return loads
+
+
+def total_load(inp: PlacementInput) -> float:
+    return math.fsum(inp.load(a) for a in inp.adapters)
+
+
+def flat(weights) -> dict[tuple[str, str], float]:
+    """{(adapter, server): φ}, comparable with pytest.approx."""
+    return {(name, server): phi for name, routes in weights.items() for server, phi in routes.items()}
