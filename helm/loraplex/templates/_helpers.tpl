@@ -1,0 +1,77 @@
+{{/* Names and labels shared by the templates. */}}
+{{- define "loraplex.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "loraplex.labels" -}}
+app.kubernetes.io/part-of: loraplex
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "loraplex.selector" -}}
+app.kubernetes.io/part-of: loraplex
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "loraplex.image" -}}
+{{- printf "%s/loraplex-%s:%s" .root.Values.image.repository .role (.root.Values.image.tag | default .root.Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "loraplex.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis:6379/0" (include "loraplex.fullname" .) -}}
+{{- else -}}
+{{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "loraplex.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "loraplex.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* RBAC rules the operator needs in each namespace it serves. */}}
+{{- define "loraplex.operatorNamespacedRules" -}}
+# The resources it serves: watch them, add finalizers and annotations, write their status.
+- apiGroups: [loraplex.io]
+  resources: [adapterpools, loradeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [loraplex.io]
+  resources: [adapterpools/status, loradeployments/status]
+  verbs: [get, patch]
+# What a pool owns (server-side apply creates and updates through patch).
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+# The HF_TOKEN of a LoRADeployment's credentialsSecretRef (read, never written).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# Events on every status transition.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+{{- end }}

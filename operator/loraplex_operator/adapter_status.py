@@ -1,0 +1,108 @@
+"""Pure: the status of one LoRADeployment from what the registry, the routing table and the servers
+say, and the events that the change from the previous status deserves.
+
+Phases: Pending (not registered, no pool, no server, or not placed yet), Loading (placed, but no
+assigned server holds the weights yet), Ready (at least one assigned server holds them), Failed
+(the spec cannot be served: bad source, rank above the pool's limit, weights that fail checks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loraplex.routing import AdapterRecord, RoutingTable, ServerRecord
+from loraplex.spec.crd import LoRADeploymentStatus, ObservedDemand, PlacementEntry
+from loraplex_operator.conditions import set_condition
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # "Normal" or "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class AdapterView:
+    """Everything the status depends on, read once per tick."""
+
+    name: str
+    pool: str
+    generation: int | None
+    pool_exists: bool
+    record: AdapterRecord | None
+    table: RoutingTable | None
+    servers: Sequence[ServerRecord]
+    demand_tps: float | None = None
+    demand_window_s: float = 0.0
+
+
+def weights_text(placement: Sequence[PlacementEntry]) -> str:
+    return ",".join(f"{p.server}={p.weight:.2f}" for p in placement)
+
+
+def _phase(view: AdapterView, holders: set[str], assigned: list[str]) -> tuple[str, str, str]:
+    if not view.pool_exists:
+        return "Pending", "PoolNotFound", f"AdapterPool {view.pool!r} does not exist in this namespace"
+    if view.record is None:
+        return "Pending", "NotRegistered", "the adapter is not in the pool's registry yet"
+    if not assigned:
+        if not view.servers:
+            return "Pending", "NoServers", f"pool {view.pool!r} has no ready server"
+        return "Pending", "AwaitingPlacement", "waiting for the next placement"
+    ready = [s for s in assigned if s in holders]
+    if ready:
+        return "Ready", "Serving", f"served by {len(ready)} of {len(assigned)} assigned servers"
+    return "Loading", "Fetching", f"assigned to {', '.join(assigned)}; no server holds the weights yet"
+
+
+def adapter_status(view: AdapterView, previous: LoRADeploymentStatus | None, now: float
+                   ) -> tuple[LoRADeploymentStatus, list[Event]]:
+    entry = view.table.entries.get(view.name) if view.table else None
+    placement = [PlacementEntry(server=r.server, weight=round(r.weight, 4)) for r in entry.routes] if entry else []
+    assigned = [p.server for p in placement]
+    holders = {s.id for s in view.servers if view.name in s.host_adapters or view.name in s.gpu_adapters}
+    phase, reason, message = _phase(view, holders, assigned)
+    old = previous.conditions if previous else []
+    gen = view.generation
+    conditions = [
+        set_condition(old, "Registered", view.record is not None, "InRegistry" if view.record else reason,
+                      "" if view.record else message, now, gen),
+        set_condition(old, "Placed", bool(assigned), "InRoutingTable" if assigned else reason,
+                      weights_text(placement), now, gen),
+        set_condition(old, "Ready", phase == "Ready", reason, message, now, gen),
+    ]
+    demand = None
+    if view.demand_tps is not None:
+        demand = ObservedDemand(tokens_per_second=round(view.demand_tps, 3), window_seconds=view.demand_window_s)
+    status = LoRADeploymentStatus(
+        phase=phase, reason=reason, message=message,
+        rank=view.record.rank if view.record else None, digest=view.record.digest if view.record else None,
+        placement=placement, weights=weights_text(placement),
+        ready_servers=len([s for s in assigned if s in holders]), observed_demand=demand,
+        routing_version=view.table.version if view.table else None, observed_generation=gen,
+        conditions=conditions)
+    return status, transition_events(previous, status)
+
+
+def transition_events(previous: LoRADeploymentStatus | None, status: LoRADeploymentStatus) -> list[Event]:
+    """One event per change of phase or reason, and one per change of the placement."""
+    events = []
+    if previous is None or (previous.phase, previous.reason) != (status.phase, status.reason):
+        kind = "Warning" if status.phase == "Failed" else "Normal"
+        events.append(Event(kind, status.reason or status.phase, f"{status.phase}: {status.message}"))
+    if status.placement and (previous is None or previous.weights != status.weights):
+        events.append(Event("Normal", "Placed", f"routing version {status.routing_version}: {status.weights}"))
+    return events
+
+
+def blocked_status(phase: str, reason: str, message: str, generation: int | None,
+                   previous: LoRADeploymentStatus | None, now: float) -> tuple[LoRADeploymentStatus, list[Event]]:
+    """The status when registration cannot go on: Failed (the spec cannot be served; it stays so
+    until the spec changes) or Pending (a retry may succeed: store down, source unreachable)."""
+    old = previous.conditions if previous else []
+    conditions = [set_condition(old, "Registered", False, reason, message, now, generation),
+                  set_condition(old, "Ready", False, reason, message, now, generation)]
+    status = LoRADeploymentStatus(phase=phase, reason=reason, message=message, observed_generation=generation,
+                                  conditions=conditions)
+    return status, transition_events(previous, status)

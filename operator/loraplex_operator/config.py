@@ -1,0 +1,42 @@
+"""Operator-wide settings: what every pool shares (the Redis URL, the default agent image). They come
+from flags or environment variables that the Helm chart sets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from loraplex.routing.keys import validate_pool_name
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    redis_url: str = "redis://loraplex-redis:6379/0"
+    agent_image: str = "ghcr.io/loraplex/loraplex-agent:0.1.0"
+    # Secret (in the pool's namespace) with key `api-key`: the bearer key of the agents' load/unload
+    # endpoints. Empty: the agents run without one.
+    agent_api_key_secret: str = ""
+    heartbeat_ttl_seconds: float = 15.0
+    tick_seconds: float = 5.0  # how often each pool's timer wakes to check whether placement is due
+    peering: str = "loraplex"
+
+    def __post_init__(self) -> None:
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.agent_api_key_secret:
+            validate_pool_name(self.agent_api_key_secret)  # a DNS label, like every Secret name we accept
+        if self.tick_seconds <= 0 or self.heartbeat_ttl_seconds <= 0:
+            raise ValueError("tick and heartbeat TTL must be positive")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if environ is None else environ
+        defaults = cls()
+        return cls(
+            redis_url=env.get("LORAPLEX_REDIS_URL", defaults.redis_url),
+            agent_image=env.get("LORAPLEX_AGENT_IMAGE", defaults.agent_image),
+            agent_api_key_secret=env.get("LORAPLEX_AGENT_API_KEY_SECRET", ""),
+            heartbeat_ttl_seconds=float(env.get("LORAPLEX_HEARTBEAT_TTL", defaults.heartbeat_ttl_seconds)),
+            tick_seconds=float(env.get("LORAPLEX_TICK_SECONDS", defaults.tick_seconds)),
+            peering=env.get("LORAPLEX_PEERING", defaults.peering),
+        )

@@ -1,0 +1,73 @@
+"""What the handlers need from the outside world, built once at startup and kept in kopf's `memo`.
+Tests build the same object with an in-memory routing store, a manual clock and a recorder of
+Kubernetes API calls (the only part that needs a cluster)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraplex.engine.clock import Clock
+from loraplex.placement.controller import PlacementController
+from loraplex.placement.operating_points import default_operating_points
+from loraplex.placement.policy import make_policy
+from loraplex.routing import RoutingStore
+from loraplex.spec.crd import AdapterPoolSpec, AdapterSource
+from loraplex_operator.config import OperatorConfig
+from loraplex_operator.inspect_source import AdapterFacts
+from loraplex_operator.kube import EventSink, KubeApi
+
+
+class Inspector(Protocol):
+    """Learns an adapter's digest and rank (inspect_source.SourceInspector in production)."""
+
+    def inspect(self, adapter: AdapterSource, credentials: Mapping[str, str]) -> AdapterFacts: ...
+
+
+@dataclass
+class Deps:
+    config: OperatorConfig
+    kube: KubeApi
+    events: EventSink
+    clock: Clock                                  # wall-clock seconds (demand windows are wall time)
+    store_factory: Callable[[str], RoutingStore]  # pool name -> its routing store
+    inspector: Inspector
+    # The `random` policy's source, seeded per pool so a restarted operator places the same way.
+    make_random: Callable[[str], random.Random] = field(default=lambda pool: random.Random(pool))
+    _stores: dict[str, RoutingStore] = field(default_factory=dict)
+    _controllers: dict[str, tuple[tuple[str, bool], PlacementController]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def store(self, pool: str) -> RoutingStore:
+        with self._lock:
+            if pool not in self._stores:
+                self._stores[pool] = self.store_factory(pool)
+            return self._stores[pool]
+
+    def controller(self, pool: str, spec: AdapterPoolSpec) -> PlacementController:
+        """One controller per pool (it remembers the versions it published); rebuilt when the
+        policy or the kind of server changes."""
+        key = (spec.placement.policy, spec.servers.gpus_per_server > 0)
+        with self._lock:
+            cached = self._controllers.get(pool)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+        policy = make_policy(spec.placement.policy, self.make_random(pool))
+        points = default_operating_points("gpu" if key[1] else "cpu")
+        controller = PlacementController(self.store(pool), policy, self.clock, spec.placement.interval_seconds,
+                                         points)
+        with self._lock:
+            self._controllers[pool] = (key, controller)
+        return controller
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                close = getattr(store, "close", None)
+                if close is not None:
+                    close()
+            self._stores.clear()
+            self._controllers.clear()

@@ -1,0 +1,104 @@
+"""What the operator learns about an adapter before it enters the registry: digest, rank, size.
+
+Placement is rank-aware and agents verify the digest when they fetch, so both are needed up front.
+A LoRADeployment that declares `sha256` and `rank` needs no fetch. Otherwise the operator reads
+`adapter_config.json` and hashes `adapter_model.safetensors` from https:// and hf:// sources
+(with the token of the referenced Secret). file:// paths live inside the agent pods and s3:// / gs://
+need cloud SDKs the slim operator image does not carry: those sources must declare both values,
+and the status says so."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from loraplex.spec.crd import AdapterSource
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_WEIGHTS_BYTES = 8 << 30
+_CHUNK = 1 << 20
+HF_ENDPOINT = "https://huggingface.co"
+
+
+class InspectionError(RuntimeError):
+    """`reason` is the CamelCase status reason; `retryable` says whether trying again may help."""
+
+    def __init__(self, reason: str, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.reason, self.message, self.retryable = reason, message, retryable
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    digest: str  # "sha256:<hex>"
+    rank: int
+    size_bytes: int
+    target_modules: tuple[str, ...] = ()
+
+
+def file_url(source: str, file_name: str, hf_endpoint: str = HF_ENDPOINT) -> str:
+    """The https URL of one file of an https:// or hf://org/name[@revision] adapter folder."""
+    if source.startswith("hf://"):
+        repo, _, revision = source.removeprefix("hf://").partition("@")
+        return f"{hf_endpoint}/{repo.strip('/')}/resolve/{revision or 'main'}/{file_name}"
+    if source.startswith("https://"):
+        return f"{source.rstrip('/')}/{file_name}"
+    raise InspectionError("DeclareDigestAndRank", f"the operator cannot read {source.split('://')[0]}:// "
+                          "sources; set spec.adapter.sha256 and spec.adapter.rank (agents verify them on load)")
+
+
+class SourceInspector:
+    def __init__(self, timeout_s: float = 30.0, hf_endpoint: str = HF_ENDPOINT,
+                 max_bytes: int = MAX_WEIGHTS_BYTES) -> None:
+        self._timeout, self._hf, self._max = timeout_s, hf_endpoint, max_bytes
+
+    def inspect(self, adapter: AdapterSource, credentials: Mapping[str, str]) -> AdapterFacts:
+        if adapter.sha256 and adapter.rank:
+            return AdapterFacts(f"sha256:{adapter.sha256}", adapter.rank, 0)
+        headers = {"Authorization": f"Bearer {credentials['HF_TOKEN']}"} if "HF_TOKEN" in credentials else {}
+        config = self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers)
+        rank = config.get("r")
+        if not isinstance(rank, int) or rank < 1:
+            raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} has no positive integer rank 'r': {rank!r}")
+        if adapter.rank is not None and adapter.rank != rank:
+            raise InspectionError("RankMismatch", f"spec.adapter.rank is {adapter.rank} but the adapter has r={rank}")
+        digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
+        if adapter.sha256 and digest != f"sha256:{adapter.sha256}":
+            raise InspectionError("DigestMismatch", f"weights digest is {digest}, spec.adapter.sha256 says "
+                                  f"sha256:{adapter.sha256}")
+        modules = config.get("target_modules") or ()
+        return AdapterFacts(digest, rank, size, tuple(modules) if isinstance(modules, list) else ())
+
+    def _open(self, url: str, headers: Mapping[str, str]):  # noqa: ANN202 - an http.client response
+        try:
+            return urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers)), timeout=self._timeout)
+        except urllib.error.HTTPError as exc:
+            retry = exc.code >= 500 or exc.code == 429
+            raise InspectionError("SourceUnreadable", f"GET {url}: HTTP {exc.code}", retryable=retry) from exc
+        except (urllib.error.URLError, TimeoutError, OSError) as exc:
+            raise InspectionError("SourceUnreachable", f"GET {url}: {exc}", retryable=True) from exc
+
+    def _config(self, url: str, headers: Mapping[str, str]) -> dict:
+        with self._open(url, headers) as response:
+            try:
+                doc = json.loads(response.read(1 << 20))
+            except ValueError as exc:
+                raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} is not JSON: {exc}") from exc
+        if not isinstance(doc, dict):
+            raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} is not a JSON object")
+        return doc
+
+    def _hash(self, url: str, headers: Mapping[str, str]) -> tuple[str, int]:
+        sha, size = hashlib.sha256(), 0
+        with self._open(url, headers) as response:
+            while chunk := response.read(_CHUNK):
+                size += len(chunk)
+                if size > self._max:
+                    raise InspectionError("AdapterTooLarge", f"{WEIGHTS_FILE} is larger than {self._max} bytes")
+                sha.update(chunk)
+        return f"sha256:{sha.hexdigest()}", size

@@ -1,0 +1,62 @@
+"""`loraplex operator`: run the kopf operator.
+
+Leader election is kopf peering: every replica gets a random priority, and a replica pauses while it
+sees a peer with a higher one, so with two replicas exactly one acts and the other takes over
+within the peering lifetime when the first dies."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+from typing import Any
+
+from loraplex.cli import CommandError
+from loraplex.placement.controller import WallClock
+from loraplex_operator.config import OperatorConfig
+from loraplex_operator.deps import Deps
+from loraplex_operator.inspect_source import SourceInspector
+from loraplex_operator.kube import KopfEvents, KubernetesApi
+
+MAX_PRIORITY = 1 << 30
+
+
+def build_deps(config: OperatorConfig) -> Deps:
+    from loraplex.routing.redis_store import RedisRoutingStore
+
+    return Deps(config=config, kube=KubernetesApi(), events=KopfEvents(), clock=WallClock(),
+                store_factory=lambda pool: RedisRoutingStore.from_url(config.redis_url, pool),
+                inspector=SourceInspector())
+
+
+def peering_objects(name: str, namespaces: list[str]) -> list[dict[str, Any]]:
+    """kopf's peering objects, created at start so that peering is on from the first replica."""
+    if not namespaces:
+        return [{"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}]
+    return [{"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": ns}}
+            for ns in namespaces]
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from loraplex_operator import handlers  # noqa: F401  (registers the handlers)
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = OperatorConfig.from_env()
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    if args.redis_url:
+        config = OperatorConfig(**{**config.__dict__, "redis_url": args.redis_url})
+    priority = args.priority if args.priority is not None else random.SystemRandom().randrange(MAX_PRIORITY)
+    namespaces = [ns for ns in (args.namespace or []) if ns]
+    peering = args.peering or config.peering
+    deps = build_deps(config)
+    if not args.standalone:
+        for obj in peering_objects(peering, namespaces):
+            deps.kube.apply(obj)
+    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=args.standalone,
+             priority=priority, peering_name=peering, liveness_endpoint=args.liveness,
+             memo=kopf.Memo(deps=deps))
+    return 0

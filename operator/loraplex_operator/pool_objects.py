@@ -1,0 +1,234 @@
+"""Pure builders: the Kubernetes objects of one AdapterPool, as plain dicts ready for server-side apply.
+
+StatefulSet (stable server names, one agent per pod), headless Service (stable DNS names for the
+router and for peer fetches), ConfigMap (the pool's agent settings, read as environment), and a
+PodDisruptionBudget. Every object carries an owner reference to the pool, so deleting the pool
+deletes them. A change of the spec changes the pod template (directly, or through the ConfigMap hash
+annotation), and the StatefulSet rolls its pods one at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.spec.crd import AdapterPoolSpec
+from loraplex_operator import names
+from loraplex_operator.config import OperatorConfig
+
+MODELS_DIR = "/models"
+ADAPTERS_DIR = "/var/lib/loraplex/adapters"
+USER_ID = 10001  # the non-root user of the images (Dockerfile)
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    name: str
+    namespace: str
+    uid: str
+
+
+def _metadata(pool: PoolRef, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": pool.namespace, "labels": names.pool_labels(pool.name),
+            "ownerReferences": [names.owner_reference("AdapterPool", pool.name, pool.uid)]}
+
+
+BASE_MODEL_DIR = f"{MODELS_DIR}/base"
+
+
+def model_path(source: str) -> str:
+    """Where the agent finds the base model: the path of a file:// source, else the folder the
+    fetch-model init container downloads an hf:// source into."""
+    return source.removeprefix("file://") if source.startswith("file://") else BASE_MODEL_DIR
+
+
+def fetch_model_container(spec: AdapterPoolSpec, image: str) -> dict[str, Any] | None:
+    """An init container that downloads an hf://org/name[@revision] base model (HF_TOKEN from
+    servers.env when the repository is gated). Restarted pods find it already there."""
+    source = spec.base_model.source
+    if not source.startswith("hf://"):
+        return None
+    repo, _, revision = source.removeprefix("hf://").partition("@")
+    command = ["hf", "download", repo.strip("/"), "--local-dir", BASE_MODEL_DIR]
+    if revision:
+        command += ["--revision", revision]
+    return {"name": "fetch-model", "image": image, "imagePullPolicy": spec.servers.image_pull_policy,
+            "command": command, "env": [{"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf"}, *spec.servers.env],
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
+
+
+def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, str]:
+    """The ConfigMap data: environment of every agent of the pool (the args refer to it as $(VAR))."""
+    engine = spec.engine
+    data = {
+        "LORAPLEX_POOL": pool.name,
+        "LORAPLEX_REDIS_URL": config.redis_url,
+        "LORAPLEX_HEARTBEAT_TTL": f"{config.heartbeat_ttl_seconds:g}",
+        "LORAPLEX_MODEL": model_path(spec.base_model.source),
+        "LORAPLEX_SERVED_MODEL_NAME": spec.base_model.name,
+        "LORAPLEX_DTYPE": spec.base_model.dtype,
+        "LORAPLEX_MAX_LORA_RANK": str(engine.max_lora_rank),
+        "LORAPLEX_MAX_LORAS": str(engine.max_loras),
+        "LORAPLEX_MAX_NUM_SEQS": str(engine.max_num_seqs),
+        "LORAPLEX_MAX_NUM_BATCHED_TOKENS": str(engine.max_num_batched_tokens),
+        "LORAPLEX_BLOCK_SIZE": str(engine.block_size),
+        "LORAPLEX_SCHEDULER": engine.scheduler,
+        "LORAPLEX_ADAPTER_DIR": ADAPTERS_DIR,
+        "LORAPLEX_MODEL_DIR": MODELS_DIR,
+        "HF_HOME": f"{MODELS_DIR}/.hf",
+    }
+    if engine.max_model_len is not None:
+        data["LORAPLEX_MAX_MODEL_LEN"] = str(engine.max_model_len)
+    if engine.kv_cache_memory_gib is not None:
+        data["LORAPLEX_KV_CACHE_MEMORY"] = f"{engine.kv_cache_memory_gib:g}"
+    return data
+
+
+def config_hash(data: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_configmap(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _metadata(pool, names.configmap_name(pool.name)),
+            "data": agent_settings(pool, spec, config)}
+
+
+def build_service(pool: PoolRef) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(pool, names.service_name(pool.name)),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": names.selector_labels(pool.name),
+                     "ports": [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT,
+                                "targetPort": names.AGENT_PORT_NAME}]}}
+
+
+def build_pdb(pool: PoolRef, spec: AdapterPoolSpec) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(pool, names.pdb_name(pool.name)),
+            "spec": {"maxUnavailable": spec.servers.max_unavailable,
+                     "selector": {"matchLabels": names.selector_labels(pool.name)}}}
+
+
+def agent_args(spec: AdapterPoolSpec) -> list[str]:
+    """`loraplex agent` flags; values come from the ConfigMap environment so that one edit of the
+    ConfigMap (and its hash) is the whole change."""
+    args = ["agent", "--model", "$(LORAPLEX_MODEL)", "--served-model-name", "$(LORAPLEX_SERVED_MODEL_NAME)",
+            "--host", "0.0.0.0", "--port", str(names.AGENT_PORT), "--dtype", "$(LORAPLEX_DTYPE)",
+            "--max-lora-rank", "$(LORAPLEX_MAX_LORA_RANK)", "--max-loras", "$(LORAPLEX_MAX_LORAS)",
+            "--max-num-seqs", "$(LORAPLEX_MAX_NUM_SEQS)",
+            "--max-num-batched-tokens", "$(LORAPLEX_MAX_NUM_BATCHED_TOKENS)",
+            "--block-size", "$(LORAPLEX_BLOCK_SIZE)", "--scheduler", "$(LORAPLEX_SCHEDULER)",
+            "--redis-url", "$(LORAPLEX_REDIS_URL)", "--pool", "$(LORAPLEX_POOL)",
+            "--server-id", "$(POD_NAME)", "--advertise-url", "$(LORAPLEX_ADVERTISE_URL)",
+            "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)"]
+    if spec.engine.max_model_len is not None:
+        args += ["--max-model-len", "$(LORAPLEX_MAX_MODEL_LEN)"]
+    if spec.engine.kv_cache_memory_gib is not None:
+        args += ["--kv-cache-memory", "$(LORAPLEX_KV_CACHE_MEMORY)"]
+    return args + list(spec.engine.extra_args)
+
+
+def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec) -> list[dict[str, Any]]:
+    fqdn = f"$(POD_NAME).{names.service_name(pool.name)}.$(POD_NAMESPACE).svc"
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "LORAPLEX_ADVERTISE_URL", "value": f"http://{fqdn}:{names.AGENT_PORT}"},
+    ]
+    if config.agent_api_key_secret:
+        env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": config.agent_api_key_secret, "key": "api-key"}}})
+    return env + list(spec.servers.env)
+
+
+def _resources(spec: AdapterPoolSpec) -> dict[str, Any]:
+    requests = dict(spec.servers.resources.requests)
+    limits = dict(spec.servers.resources.limits)
+    if spec.servers.gpus_per_server > 0:
+        limits["nvidia.com/gpu"] = spec.servers.gpus_per_server
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": names.AGENT_PORT_NAME}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "adapters", "mountPath": ADAPTERS_DIR},
+              {"name": "dshm", "mountPath": "/dev/shm"}]
+    return {
+        "name": "agent",
+        "image": spec.servers.image or config.agent_image,
+        "imagePullPolicy": spec.servers.image_pull_policy,
+        "args": agent_args(spec),
+        "envFrom": [{"configMapRef": {"name": names.configmap_name(pool.name)}}],
+        "env": _env(pool, config, spec),
+        "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": names.AGENT_PORT}],
+        "resources": _resources(spec),
+        # Downloading and loading a large base model can take many minutes: the startup probe
+        # allows 30 minutes before liveness takes over.
+        "startupProbe": _probe("/health", 10, 180),
+        "readinessProbe": _probe("/health", 5, 3),
+        "livenessProbe": _probe("/health", 10, 6),
+        "volumeMounts": mounts + list(spec.servers.volume_mounts),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    servers = spec.servers
+    image = servers.image or config.agent_image
+    pod: dict[str, Any] = {
+        "containers": [_container(pool, spec, config)],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
+                            "fsGroup": USER_ID},
+        "terminationGracePeriodSeconds": 60,  # lets running requests finish
+        "volumes": [{"name": "models", "emptyDir": {}}, {"name": "adapters", "emptyDir": {}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}] + list(servers.volumes),
+    }
+    fetch = fetch_model_container(spec, image)
+    if fetch is not None:
+        pod["initContainers"] = [fetch]
+    if servers.node_selector:
+        pod["nodeSelector"] = dict(servers.node_selector)
+    if servers.tolerations:
+        pod["tolerations"] = [t.to_k8s() for t in servers.tolerations]
+    if servers.service_account_name:
+        pod["serviceAccountName"] = servers.service_account_name
+    return pod
+
+
+def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> dict[str, Any]:
+    settings_hash = config_hash(agent_settings(pool, spec, config))
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _metadata(pool, names.statefulset_name(pool.name)),
+        "spec": {
+            "replicas": replicas,
+            "serviceName": names.service_name(pool.name),
+            # Servers are independent: start and stop them in parallel; updates still roll one by one.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            "selector": {"matchLabels": names.selector_labels(pool.name)},
+            "template": {
+                "metadata": {"labels": names.pool_labels(pool.name),
+                             "annotations": {names.CONFIG_HASH_ANNOTATION: settings_hash}},
+                "spec": _pod_spec(pool, spec, config),
+            },
+        },
+    }
+
+
+def pool_objects(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> list[dict[str, Any]]:
+    """Everything the pool owns, in the order to apply it (the ConfigMap before the pods that read it)."""
+    return [build_configmap(pool, spec, config), build_service(pool), build_pdb(pool, spec),
+            build_statefulset(pool, spec, config, replicas)]

@@ -1,0 +1,297 @@
+"""The kopf handlers, called as kopf calls them: real kopf Body/Patch/Memo objects, a real in-memory
+routing store, the real placement controller, and a real HTTP server holding an adapter. Only the
+Kubernetes API is replaced (no cluster here): `RecordingKube` keeps applied objects in a dict and
+merges status patches into them, as the API server would."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+from loraplex_operator import handlers
+from loraplex_operator.adapter_status import Event
+from loraplex_operator.config import OperatorConfig
+from loraplex_operator.deps import Deps
+from loraplex_operator.inspect_source import SourceInspector
+from loraplex_operator.kube import ObjectRef
+
+from loraplex.engine.clock import ManualClock
+from loraplex.routing import InMemoryRoutingStore, ServerRecord
+
+NS = "serving"
+T0 = 1_700_000_000.0
+
+
+def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """JSON merge patch (RFC 7386), as the API server applies kopf's patches."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
+    return target
+
+
+class RecordingKube:
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.applied: list[dict[str, Any]] = []
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        self.applied.append(copy.deepcopy(obj))
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.objects[key] = merge(self.objects.get(key, {}), copy.deepcopy(obj))
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, namespace, name))
+
+    def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> None:
+        merge(self.objects[(ref.kind, ref.namespace, ref.name)], {"status": status})
+
+
+class RecordingEvents:
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, Event]] = []
+
+    def post(self, ref: ObjectRef, event: Event) -> None:
+        self.posted.append((ref.name, event))
+
+    def reasons(self, name: str) -> list[str]:
+        return [e.reason for n, e in self.posted if n == name]
+
+
+class AdapterFiles(http.server.BaseHTTPRequestHandler):
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.files.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def adapter_server() -> Iterator[str]:
+    weights = b"\x00" * 4096
+    # Paths as the Hub lays them out: /<repo>/resolve/<revision>/<file>.
+    AdapterFiles.files = {
+        "/sql/resolve/main/adapter_config.json": json.dumps({"r": 16, "target_modules": ["q_proj"]}).encode(),
+        "/sql/resolve/main/adapter_model.safetensors": weights,
+        "/big/resolve/main/adapter_config.json": json.dumps({"r": 128}).encode(),
+        "/big/resolve/main/adapter_model.safetensors": weights}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AdapterFiles)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class World:
+    """The cluster as the handlers see it, plus helpers that play the API server's part."""
+
+    def __init__(self, base_url: str) -> None:
+        self.clock = ManualClock(T0)
+        self.kube = RecordingKube()
+        self.events = RecordingEvents()
+        self.stores: dict[str, InMemoryRoutingStore] = {}
+        # The test server speaks http://; the inspector is told to treat it as the Hub endpoint.
+        inspector = SourceInspector(hf_endpoint=base_url)
+        self.deps = Deps(OperatorConfig(), self.kube, self.events, self.clock, self._store, inspector)
+        self.memo = kopf.Memo(deps=self.deps)
+
+    def _store(self, pool: str) -> InMemoryRoutingStore:
+        return self.stores.setdefault(pool, InMemoryRoutingStore(pool, self.clock))
+
+    def create(self, kind: str, name: str, spec: dict[str, Any], uid: str) -> None:
+        self.kube.objects[(kind, NS, name)] = {
+            "apiVersion": "loraplex.io/v1alpha1", "kind": kind,
+            "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1}, "spec": spec, "status": {}}
+
+    def call(self, handler: Any, kind: str, name: str, **extra: Any) -> kopf.Patch:
+        obj = self.kube.objects[(kind, NS, name)]
+        body = kopf.Body(copy.deepcopy(obj))
+        patch = kopf.Patch()
+        try:
+            handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
+                    patch=patch, memo=self.memo, logger=None, **extra)
+        finally:
+            merge(obj, dict(patch))  # kopf applies the patch even when the handler asks for a retry
+        return patch
+
+    def index(self) -> dict[tuple[str, str], list[Any]]:
+        out: dict[tuple[str, str], list[Any]] = {}
+        for (kind, _, name), obj in self.kube.objects.items():
+            if kind == "LoRADeployment":
+                body = kopf.Body(copy.deepcopy(obj))
+                for key, value in (handlers.adapters_by_pool(spec=body.spec, status=body.status, meta=body.meta,
+                                                             name=name, namespace=NS) or {}).items():
+                    out.setdefault(key, []).append(value)
+        return out
+
+    def tick(self, pool: str) -> kopf.Patch:
+        return self.call(handlers.pool_timer, "AdapterPool", pool, adapters_by_pool=self.index())
+
+    def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = ()) -> None:
+        record = ServerRecord(sid, f"http://{sid}:8000", 64, host_adapters=holds, heartbeat_at=self.clock.now())
+        self._store(pool).register_server(record, ttl_s=30)
+
+    def status(self, kind: str, name: str) -> dict[str, Any]:
+        return self.kube.objects[(kind, NS, name)]["status"]
+
+
+POOL_SPEC = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
+             "servers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerServer": 0},
+             "engine": {"maxLoraRank": 64}, "placement": {"intervalSeconds": 30, "scaleDownDelaySeconds": 60}}
+
+
+@pytest.fixture
+def world(adapter_server: str) -> World:
+    w = World(adapter_server)
+    w.create("AdapterPool", "tiny", POOL_SPEC, "pool-uid")
+    return w
+
+
+def test_pool_create_applies_owned_objects(world: World) -> None:
+    patch = world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    kinds = [o["kind"] for o in world.kube.applied]
+    assert kinds == ["ConfigMap", "Service", "PodDisruptionBudget", "StatefulSet"]
+    assert world.kube.objects[("StatefulSet", NS, "tiny")]["spec"]["replicas"] == 1
+    assert dict(patch)["status"] == {"replicas": 1, "selector": "app.kubernetes.io/component=agent,loraplex.io/pool=tiny"}
+
+
+def test_adapter_registered_inspected_and_routed_at_once(world: World) -> None:
+    world.heartbeat("tiny", "tiny-0")
+    world.create("LoRADeployment", "sql", {"pool": "tiny", "adapter": {"source": "hf://sql"}}, "sql-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "sql")
+    record = world.stores["tiny"].get_adapter("sql")
+    assert record.rank == 16 and record.digest == "sha256:" + hashlib.sha256(b"\x00" * 4096).hexdigest()
+    assert record.size_bytes == 4096 and record.target_modules == ("q_proj",) and record.base_model == "tiny"
+    table = world.stores["tiny"].read_table()
+    assert [(r.server, r.weight) for r in table.routes("sql")] == [("tiny-0", 1.0)]
+    status = world.status("LoRADeployment", "sql")
+    assert (status["phase"], status["rank"], status["weights"]) == ("Loading", 16, "tiny-0=1.00")
+    assert world.events.reasons("sql") == ["Fetching", "Placed"]
+
+
+def test_rank_above_the_pool_limit_fails_with_a_reason(world: World) -> None:
+    world.create("LoRADeployment", "big", {"pool": "tiny", "adapter": {"source": "hf://big"}}, "big-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "big")
+    status = world.status("LoRADeployment", "big")
+    assert (status["phase"], status["reason"]) == ("Failed", "RankTooLarge")
+    assert world.deps.store("tiny").get_adapter("big") is None
+    assert world.events.posted[-1][1].type == "Warning"
+
+
+def test_missing_pool_is_pending_and_retried(world: World) -> None:
+    world.create("LoRADeployment", "orphan", {"pool": "nope", "adapter": {"source": "hf://sql"}}, "o-uid")
+    with pytest.raises(kopf.TemporaryError):
+        world.call(handlers.adapter_changed, "LoRADeployment", "orphan")
+    assert world.status("LoRADeployment", "orphan")["reason"] == "PoolNotFound"
+
+
+def test_missing_adapter_files_fail_with_the_http_status(world: World) -> None:
+    world.create("LoRADeployment", "gone", {"pool": "tiny", "adapter": {"source": "hf://missing"}}, "g-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "gone")  # a 404 will not heal by itself
+    status = world.status("LoRADeployment", "gone")
+    assert (status["phase"], status["reason"]) == ("Failed", "SourceUnreadable") and "HTTP 404" in status["message"]
+
+
+def test_declared_s3_adapter_needs_no_download(world: World) -> None:
+    world.heartbeat("tiny", "tiny-0")
+    spec = {"pool": "tiny", "adapter": {"source": "s3://b/a", "sha256": "e" * 64, "rank": 8}}
+    world.create("LoRADeployment", "s3a", spec, "s-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "s3a")
+    assert world.stores["tiny"].get_adapter("s3a").digest == "sha256:" + "e" * 64
+    undeclared = {"pool": "tiny", "adapter": {"source": "s3://b/c"}}
+    world.create("LoRADeployment", "s3b", undeclared, "s2-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "s3b")
+    assert world.status("LoRADeployment", "s3b")["reason"] == "DeclareDigestAndRank"
+
+
+def test_finalizer_removes_adapter_from_registry_and_table(world: World) -> None:
+    world.heartbeat("tiny", "tiny-0")
+    world.create("LoRADeployment", "sql", {"pool": "tiny", "adapter": {"source": "hf://sql"}}, "sql-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "sql")
+    body = kopf.Body(world.kube.objects[("LoRADeployment", NS, "sql")])
+    handlers.adapter_deleted(spec=body.spec, name="sql", memo=world.memo)
+    assert world.stores["tiny"].get_adapter("sql") is None
+    assert "sql" not in world.stores["tiny"].read_table().entries
+
+
+def test_timer_places_reports_status_and_scales(world: World) -> None:
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    world.heartbeat("tiny", "tiny-0")
+    for name in ("a", "b"):
+        spec = {"pool": "tiny", "adapter": {"source": "hf://sql"}, "traffic": {"expectedTokensPerSecond": 500}}
+        world.create("LoRADeployment", name, spec, f"{name}-uid")
+        world.call(handlers.adapter_changed, "LoRADeployment", name)
+    world.kube.objects[("StatefulSet", NS, "tiny")]["status"] = {"readyReplicas": 1}
+    world.heartbeat("tiny", "tiny-0", holds=("a",))
+
+    patch = world.tick("tiny")
+    # 1000 tokens/s of rank-16 adapters over a CPU operating point of 380 tokens/s: 3 servers needed.
+    pool = world.status("AdapterPool", "tiny")
+    assert pool["requiredServers"] == 3 and pool["replicas"] == 3 and pool["readyReplicas"] == 1
+    assert dict(patch)["spec"] == {"servers": {"replicas": 3}}
+    assert world.kube.objects[("StatefulSet", NS, "tiny")]["spec"]["replicas"] == 3
+    assert ("tiny", "ScaleUp") in [(n, e.reason) for n, e in world.events.posted]
+    assert world.status("LoRADeployment", "a")["phase"] == "Ready"
+    assert world.status("LoRADeployment", "b")["phase"] == "Loading"
+
+    # The next tick before the interval does not place again; statuses of Ready adapters stay put.
+    version = pool["routingVersion"]
+    world.clock.advance(5)
+    world.tick("tiny")
+    assert world.status("AdapterPool", "tiny")["routingVersion"] == version
+
+
+def test_timer_scales_down_only_after_the_delay(world: World) -> None:
+    spec = copy.deepcopy(POOL_SPEC)
+    spec["servers"]["replicas"] = 3
+    world.create("AdapterPool", "tiny", spec, "pool-uid")
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    world.heartbeat("tiny", "tiny-0")
+    world.create("LoRADeployment", "a", {"pool": "tiny", "adapter": {"source": "hf://sql"}}, "a-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "a")
+    world.tick("tiny")
+    assert world.status("AdapterPool", "tiny")["replicas"] == 3 and "belowSince" in world.status("AdapterPool", "tiny")
+    for _ in range(2):
+        world.clock.advance(35)
+        world.heartbeat("tiny", "tiny-0")
+        world.tick("tiny")
+    pool = world.status("AdapterPool", "tiny")
+    assert pool["replicas"] == 1 and "belowSince" not in pool
+    assert world.kube.objects[("AdapterPool", NS, "tiny")]["spec"]["servers"]["replicas"] == 1
+
+
+def test_timer_with_the_store_down_marks_the_pool_degraded(world: World) -> None:
+    from loraplex.routing import StoreUnavailableError
+
+    def down(pool: str) -> InMemoryRoutingStore:
+        raise StoreUnavailableError("redis unavailable: connection refused")
+
+    world.deps.store_factory = down
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    world.tick("tiny")
+    status = world.status("AdapterPool", "tiny")
+    assert status["phase"] == "Degraded"
+    assert {c["type"]: c["status"] for c in status["conditions"]}["StoreAvailable"] == "False"
+
+
+def test_generated_crds_match_what_handlers_watch() -> None:
+    crds = {p.name for p in (Path(__file__).resolve().parents[2] / "crds").glob("*.yaml")}
+    assert {f"{handlers.POOLS[2]}.yaml", f"{handlers.ADAPTERS[2]}.yaml"} == crds

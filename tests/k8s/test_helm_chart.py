@@ -1,0 +1,165 @@
+"""The Helm chart: values schema, templates rendered by the real Helm engine (the helm-python-sdk
+package embeds Helm's Go library; the test is skipped where it is not installed), the dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from loraplex.spec.crd_schema import crd_manifests
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "loraplex"
+
+
+def _values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def _schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_default_values_validate_against_the_schema() -> None:
+    jsonschema.Draft7Validator(_schema()).validate(_values())
+
+
+@pytest.mark.parametrize("bad", [
+    {"redis": {"enabled": False, "externalUrl": ""}},
+    {"redis": {"externalUrl": "http://not-redis"}},
+    {"operator": {"replicas": 0}},
+    {"operator": {"watchNamespaces": ["Bad_NS"]}},
+    {"router": {"profile": "fastest"}},
+    {"routr": {}},
+])
+def test_bad_values_are_refused(bad: dict[str, Any]) -> None:
+    values = _values()
+    for key, sub in bad.items():
+        values[key] = {**values.get(key, {}), **sub}
+    assert list(jsonschema.Draft7Validator(_schema()).iter_errors(values))
+
+
+def test_chart_files_parse() -> None:
+    yaml.safe_load((CHART / "Chart.yaml").read_text())
+    for path in (CHART / "files" / "crds").glob("*.yaml"):
+        assert yaml.safe_load(path.read_text())["kind"] == "CustomResourceDefinition"
+
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
+
+VALUE_SETS = {
+    "defaults": {},
+    "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"]},
+                   "metrics": {"serviceMonitor": {"enabled": True}},
+                   "router": {"autoscaling": {"enabled": True}, "apiKeysSecret": "router-keys"}},
+    "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/1"},
+                       "crds": {"install": False}, "metrics": {"grafanaDashboard": {"enabled": False}}},
+}
+
+
+def _render(values: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values=values, name="lp", namespace="serving")
+    return {Path(path).name: [d for d in yaml.safe_load_all(text) if d] for path, text in out.items()
+            if not path.endswith("NOTES.txt")}
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+    return request.param, _render(VALUE_SETS[request.param])
+
+
+def test_every_rendered_document_is_a_kubernetes_object(rendered) -> None:
+    _, files = rendered
+    for name, docs in files.items():
+        for doc in docs:
+            assert {"apiVersion", "kind", "metadata"} <= set(doc), name
+            assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", doc["metadata"]["name"]), doc["metadata"]
+
+
+def _kinds(files: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for docs in files.values():
+        for doc in docs:
+            out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+def test_defaults_install_everything() -> None:
+    kinds = _kinds(_render({}))
+    crds = {d["metadata"]["name"]: d for d in kinds["CustomResourceDefinition"]}
+    for manifest in crd_manifests().values():
+        assert crds[manifest["metadata"]["name"]] == manifest  # the chart ships the generated CRDs
+    assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"} <= set(crds)
+    deployments = {d["metadata"]["name"]: d for d in kinds["Deployment"]}
+    operator = deployments["lp-loraplex-operator"]["spec"]
+    assert operator["replicas"] == 2  # two replicas, one active through kopf peering
+    container = operator["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/loraplex/loraplex-operator:0.1.0"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["LORAPLEX_REDIS_URL"] == "redis://lp-loraplex-redis:6379/0"
+    assert env["LORAPLEX_AGENT_IMAGE"] == "ghcr.io/loraplex/loraplex-agent:0.1.0"
+    router = deployments["lp-loraplex-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--pool=llama3-8b" in router["args"]
+    assert operator["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert {d["kind"] for d in kinds["ClusterRole"]} and "Role" not in kinds
+    dashboard = kinds["ConfigMap"][0]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["loraplex.json"])["uid"] == "loraplex"
+
+
+def test_namespaced_operator_gets_roles_and_monitors() -> None:
+    kinds = _kinds(_render(VALUE_SETS["namespaced"]))
+    assert sorted(r["metadata"]["namespace"] for r in kinds["Role"]) == ["team-a", "team-b"]
+    rules = [rule for rule in kinds["ClusterRole"][0]["rules"]]
+    assert [r["resources"] for r in rules] == [["customresourcedefinitions"]]  # nothing cluster-wide else
+    assert len(kinds["ServiceMonitor"]) == 2 and "HorizontalPodAutoscaler" in kinds
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in kinds["Deployment"]}
+    operator_args = deployments["lp-loraplex-operator"]["containers"][0]["args"]
+    assert "--namespace=team-a" in operator_args and "--namespace=team-b" in operator_args
+    router = deployments["lp-loraplex-router"]
+    assert "--api-keys=/etc/loraplex/api-keys.yaml" in router["containers"][0]["args"]
+    assert router["volumes"] == [{"name": "api-keys", "secret": {"secretName": "router-keys"}}]
+
+
+def test_external_redis_and_no_crds() -> None:
+    kinds = _kinds(_render(VALUE_SETS["external-redis"]))
+    assert "CustomResourceDefinition" not in kinds and "ConfigMap" not in kinds
+    names = {d["metadata"]["name"] for d in kinds["Deployment"]}
+    assert "lp-loraplex-redis" not in names
+    router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "lp-loraplex-router")
+    assert "--redis-url=redis://redis.infra:6379/1" in router["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_helm_lint_finds_no_errors() -> None:
+    report = helm.lint(str(CHART))
+    assert report["errors"] == [] and all(m["severity"] < 3 for m in report["messages"]), report
+
+
+def _known_metrics() -> set[str]:
+    from loraplex_router.metrics import RouterMetrics
+
+    names = set()
+    for family in RouterMetrics().registry.collect():  # families without samples yet carry their type
+        names |= {family.name, f"{family.name}_total", f"{family.name}_bucket"}
+    agent_source = (ROOT / "node_agent" / "loraplex_agent" / "metrics.py").read_text()
+    for name in re.findall(r'"((?:vllm|loraplex):[a-z0-9_]+)"', agent_source):
+        names |= {name, f"{name}_total", f"{name}_bucket"}
+    return names
+
+
+def test_dashboard_uses_only_metrics_that_exist() -> None:
+    dashboard = json.loads((CHART / "dashboards" / "loraplex.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"((?:vllm:|loraplex:|loraplex_router_)[a-z0-9_:]+)", e)}
+    assert used - _known_metrics() == set()
+    titles = " ".join(p["title"] for p in dashboard["panels"])
+    for needed in ("TTFT", "TBT", "E2E", "per adapter", "Queue", "cache hit rate", "loads/s", "Routing table version",
+                   "per server"):
+        assert needed in titles, needed

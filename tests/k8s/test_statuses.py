@@ -1,0 +1,80 @@
+"""Placement -> status: the phases of a LoRADeployment, the events of each transition, the pool status."""
+
+from __future__ import annotations
+
+from loraplex_operator.adapter_status import AdapterView, adapter_status, blocked_status
+from loraplex_operator.pool_status import PoolView, placement_due, pool_status
+
+from loraplex.routing import AdapterRecord, RoutingTable, ServerRecord, make_entry
+
+D = "sha256:" + "c" * 64
+RECORD = AdapterRecord("sql", D, 16, 1000, "hf://o/sql")
+TABLE = RoutingTable(3, 0.0, {"sql": make_entry("sql", D, 16, [("p-0", 0.6), ("p-1", 0.4)])}).validate()
+
+
+def _server(sid: str, host: tuple[str, ...] = ()) -> ServerRecord:
+    return ServerRecord(sid, f"http://{sid}:8000", 64, host_adapters=host)
+
+
+def _view(**kw) -> AdapterView:
+    base = dict(name="sql", pool="p", generation=2, pool_exists=True, record=RECORD, table=TABLE,
+                servers=[_server("p-0"), _server("p-1")])
+    return AdapterView(**{**base, **kw})
+
+
+def test_phases_follow_the_world() -> None:
+    cases = [
+        (dict(pool_exists=False, record=None), "Pending", "PoolNotFound"),
+        (dict(record=None), "Pending", "NotRegistered"),
+        (dict(table=None, servers=[]), "Pending", "NoServers"),
+        (dict(table=None), "Pending", "AwaitingPlacement"),
+        ({}, "Loading", "Fetching"),
+        (dict(servers=[_server("p-0", ("sql",)), _server("p-1")]), "Ready", "Serving"),
+    ]
+    for changes, phase, reason in cases:
+        status, _ = adapter_status(_view(**changes), None, now=0)
+        assert (status.phase, status.reason) == (phase, reason), changes
+
+
+def test_ready_status_shows_rank_digest_weights_and_demand() -> None:
+    view = _view(servers=[_server("p-0", ("sql",)), _server("p-1", ("sql",))], demand_tps=12.5, demand_window_s=60)
+    status, events = adapter_status(view, None, now=0)
+    assert status.rank == 16 and status.digest == D and status.ready_servers == 2
+    assert status.weights == "p-0=0.60,p-1=0.40" and status.routing_version == 3
+    assert status.observed_demand.tokens_per_second == 12.5
+    assert {c.type: c.status for c in status.conditions} == {"Registered": "True", "Placed": "True", "Ready": "True"}
+    assert [(e.type, e.reason) for e in events] == [("Normal", "Serving"), ("Normal", "Placed")]
+
+
+def test_events_only_on_transitions_and_transition_times_kept() -> None:
+    loading, _ = adapter_status(_view(), None, now=100)
+    again, events = adapter_status(_view(), loading, now=200)
+    assert events == [] and again == loading
+    ready, events = adapter_status(_view(servers=[_server("p-0", ("sql",)), _server("p-1")]), loading, now=300)
+    assert [e.reason for e in events] == ["Serving"]
+    times = {c.type: c.last_transition_time for c in ready.conditions}
+    assert times["Placed"] == "1970-01-01T00:01:40Z" and times["Ready"] == "1970-01-01T00:05:00Z"
+
+
+def test_failed_is_a_warning() -> None:
+    status, events = blocked_status("Failed", "RankTooLarge", "rank 128 exceeds 64", 1, None, 0)
+    assert status.phase == "Failed" and events[0].type == "Warning" and events[0].reason == "RankTooLarge"
+
+
+def test_pool_status() -> None:
+    view = PoolView("p", 4, replicas=3, ready_replicas=2, table=TABLE, servers=[_server("p-0"), _server("p-1")],
+                    required_servers=2)
+    status = pool_status(view, None, last_placement=60.0, below_since=None, now=61.0)
+    assert (status.phase, status.replicas, status.ready_replicas, status.routing_version) == ("Progressing", 3, 2, 3)
+    assert status.selector == "app.kubernetes.io/component=agent,loraplex.io/pool=p"
+    assert [(s.name, s.ready, s.adapters, s.weight) for s in status.servers] == [
+        ("p-0", True, 1, 0.6), ("p-1", True, 1, 0.4), ("p-2", False, 0, 0.0)]
+    assert status.last_placement_time == "1970-01-01T00:01:00Z" and status.required_servers == 2
+    degraded = pool_status(PoolView("p", 4, 3, 3, None, [], None, "redis down"), status, None, None, 62.0)
+    assert degraded.phase == "Degraded"
+
+
+def test_placement_due() -> None:
+    assert placement_due(None, 60, 0)
+    assert not placement_due("1970-01-01T00:01:00Z", 60, 119)
+    assert placement_due("1970-01-01T00:01:00Z", 60, 120)

@@ -1,0 +1,71 @@
+"""Routing-table edits between placements: a new adapter at once, a deleted one gone, replica bounds."""
+
+from __future__ import annotations
+
+import pytest
+from loraplex_operator.table_edits import NoServerError, apply_replica_bounds, ensure_adapter, without_adapter
+
+from loraplex.routing import AdapterRecord, RoutingTable, ServerRecord, make_entry
+
+D = "sha256:" + "a" * 64
+
+
+def _server(sid: str, max_rank: int = 64) -> ServerRecord:
+    return ServerRecord(sid, f"http://{sid}:8000", max_rank)
+
+
+def _record(name: str, rank: int = 16, digest: str = D, locations: frozenset[str] = frozenset()) -> AdapterRecord:
+    return AdapterRecord(name, digest, rank, 100, "hf://o/a", locations=locations)
+
+
+def _table(**routes: dict[str, float]) -> RoutingTable:
+    entries = {name: make_entry(name, D, 16, w.items()) for name, w in routes.items()}
+    return RoutingTable(7, 0.0, entries, "loraserve", 2).validate()
+
+
+SERVERS = [_server("p-0"), _server("p-1"), _server("p-2", max_rank=8)]
+
+
+def test_new_adapter_goes_to_the_least_loaded_capable_server() -> None:
+    table = _table(a={"p-0": 1.0}, b={"p-0": 0.5, "p-1": 0.5}, c={"p-2": 1.0})
+    new = ensure_adapter(table, _record("x"), SERVERS, now=5.0)
+    assert new.version == 8 and new.policy == "loraserve" and new.required_servers == 2
+    assert new.routes("x")[0].server == "p-1"  # p-2 has fewer adapters but max rank 8 < 16
+    assert new.entries["a"] == table.entries["a"]
+
+
+def test_first_table_and_held_copy_preferred() -> None:
+    new = ensure_adapter(None, _record("x", locations=frozenset({"p-1"})), SERVERS, now=1.0)
+    assert new.version == 1 and new.routes("x")[0].server == "p-1"
+
+
+def test_unchanged_adapter_needs_no_new_version_and_digest_change_keeps_routes() -> None:
+    table = _table(a={"p-0": 0.3, "p-1": 0.7})
+    assert ensure_adapter(table, _record("a"), SERVERS, 1.0) is None
+    moved = ensure_adapter(table, _record("a", digest="sha256:" + "b" * 64), SERVERS, 1.0)
+    assert moved.entries["a"].digest.startswith("sha256:b")
+    assert {r.server: r.weight for r in moved.routes("a")} == pytest.approx({"p-0": 0.3, "p-1": 0.7})
+
+
+def test_no_capable_server() -> None:
+    with pytest.raises(NoServerError, match="rank 128"):
+        ensure_adapter(None, _record("x", rank=128), SERVERS, 1.0)
+    with pytest.raises(NoServerError):
+        ensure_adapter(None, _record("x"), [], 1.0)
+
+
+def test_without_adapter() -> None:
+    table = _table(a={"p-0": 1.0}, b={"p-1": 1.0})
+    new = without_adapter(table, "a", 2.0)
+    assert set(new.entries) == {"b"} and new.version == 8
+    assert without_adapter(new, "a", 3.0) is None and without_adapter(None, "a", 3.0) is None
+
+
+def test_replica_bounds_add_and_trim_servers() -> None:
+    table = _table(a={"p-0": 1.0}, b={"p-0": 0.5, "p-1": 0.3, "p-2": 0.2})
+    bounded = apply_replica_bounds(table, {"a": (2, None), "b": (1, 2)}, SERVERS)
+    a = {r.server: r.weight for r in bounded.routes("a")}
+    assert a == pytest.approx({"p-0": 0.5, "p-1": 0.5})
+    b = {r.server: r.weight for r in bounded.routes("b")}
+    assert b == pytest.approx({"p-0": 0.625, "p-1": 0.375})
+    assert bounded.version == table.version
