@@ -4,6 +4,7 @@ over a RoutingStore every interval."""
 
 from loraplex.placement.controller import ControllerReport, PlacementController, WallClock, build_input
 from loraplex.placement.forecast import FORECASTERS, ewma, last_window, make_forecaster
+from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.operating_points import (
     DEFAULT_CPU,
     DEFAULT_GPU,
@@ -21,7 +22,7 @@ from loraplex.placement.snapshot import (
 )
 
 __all__ = [
-    "DEFAULT_CPU", "DEFAULT_GPU", "FORECASTERS", "POLICY_NAMES", "ControllerReport", "OperatingPoints",
+    "DEFAULT_CPU", "DEFAULT_GPU", "DEFAULT_HYSTERESIS", "FORECASTERS", "POLICY_NAMES", "ControllerReport", "OperatingPoints",
     "OperatingPointsError", "Placement", "PlacementAdapter", "PlacementController", "PlacementError",
     "PlacementInput", "PlacementPolicy", "PlacementServer", "WallClock", "build_input",
     "default_operating_points", "ewma", "last_window", "make_forecaster", "make_policy",

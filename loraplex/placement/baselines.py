@@ -1,16 +1,18 @@
 """Baseline placements the paper compares against (notes §4): every adapter everywhere
 (Toppings-like), one random server per adapter (S-LoRA Random, static across steps), and equal-count
-chunks of adapters sorted by rank (S-LoRA Contiguous)."""
+chunks of adapters sorted by rank (S-LoRA Contiguous). Each honours `min_replicas` (replicas.py)."""
 
 from __future__ import annotations
 
 import random
 
+from loraplex.placement.replicas import ensure_min_replicas
 from loraplex.placement.snapshot import (
     Placement,
-    PlacementError,
+    PlacementAdapter,
     PlacementInput,
-    previous_server,
+    PlacementServer,
+    previous_routes,
     split_placeable,
 )
 
@@ -27,12 +29,13 @@ class ReplicateAllPolicy:
         for a in adapters:
             capable = [s.id for s in servers if s.max_rank >= a.rank]
             weights[a.name] = dict.fromkeys(capable, 1.0 / len(capable))
-        return Placement(self.name, weights, inp.required_servers(), unplaceable)
+        return Placement(self.name, weights, inp.required_servers(), unplaceable)  # min_replicas: all capable
 
 
 class RandomPolicy:
     """Each adapter on one server drawn from `rng`, φ = 1. Static like the paper's baseline: an adapter
-    stays where the previous table routed it while that server is healthy and can hold it."""
+    stays where the previous table routed it while that server is healthy and can hold it (with
+    `min_replicas` > 1, on its min_replicas heaviest previous servers, φ as before)."""
 
     name = "random"
 
@@ -45,16 +48,17 @@ class RandomPolicy:
         adapters, unplaceable = split_placeable(inp, servers)
         weights = {}
         for a in sorted(adapters, key=lambda a: a.name):
-            server = previous_server(inp, a, by_id)
-            if server is None:
-                server = self._rng.choice([s.id for s in servers if s.max_rank >= a.rank])
-            weights[a.name] = {server: 1.0}
+            weights[a.name] = (previous_routes(inp, a, by_id)
+                               or {self._rng.choice([s.id for s in servers if s.max_rank >= a.rank]): 1.0})
+        _add_replicas(inp, weights, adapters, servers)
         return Placement(self.name, weights, inp.required_servers(), unplaceable)
 
 
 class ContiguousPolicy:
     """Adapters sorted by (rank, name) and cut into len(servers) chunks of (nearly) equal count; chunk
-    i goes to the i-th server in (max_rank, id) order, so ranks close to each other share a server."""
+    i goes to the i-th server in (max_rank, id) order, so ranks close to each other share a server.
+    An adapter whose chunk's server cannot hold its rank goes to the capable server holding the fewest
+    adapters (pools whose servers have different max ranks)."""
 
     name = "contiguous"
 
@@ -64,10 +68,18 @@ class ContiguousPolicy:
         ordered = sorted(adapters, key=lambda a: (a.rank, a.name))
         n, count = len(servers), len(ordered)
         weights = {}
+        counts = dict.fromkeys((s.id for s in servers), 0)
         for i, a in enumerate(ordered):
             server = servers[i * n // count]
             if server.max_rank < a.rank:
-                raise PlacementError(f"contiguous chunk for server {server.id} (max rank {server.max_rank}) "
-                                     f"includes {a.name} of rank {a.rank}")
+                server = min((s for s in servers if s.max_rank >= a.rank), key=lambda s: (counts[s.id], s.max_rank, s.id))
             weights[a.name] = {server.id: 1.0}
+            counts[server.id] += 1
+        _add_replicas(inp, weights, adapters, servers)
         return Placement(self.name, weights, inp.required_servers(), unplaceable)
+
+
+def _add_replicas(inp: PlacementInput, weights: dict[str, dict[str, float]], adapters: list[PlacementAdapter],
+                  servers: list[PlacementServer]) -> None:
+    loads = {a.name: inp.load(a) for a in adapters}
+    ensure_min_replicas(weights, adapters, servers, loads, sum(loads.values()) / len(servers))

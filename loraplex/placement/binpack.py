@@ -1,10 +1,9 @@
-"""Steps 2-4 of LoRAServe's Algorithm 1 over logical bins: per-rank server budgets, fractional
-next-fit packing of each rank's adapters, and leftovers on the highest-max-rank bin that still has
-room (the capacity check of the notes §3.5, without which every leftover piles onto one server)."""
+"""Steps 2-3 of LoRAServe's Algorithm 1 over logical bins: per-rank server budgets, bins tied to
+servers able to hold the rank, and fractional next-fit packing of each rank's adapters."""
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,16 +13,32 @@ from loraplex.placement.snapshot import EPS, PlacementAdapter
 
 @dataclass
 class Bin:
-    """One logical server: adapter -> share of its load (server-equivalents)."""
+    """One logical server: adapter -> share of its load (server-equivalents). `capability` is the
+    max_rank of the server the bin will land on, so no adapter above it may enter."""
 
+    capability: int
     shares: dict[str, float] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)
     load: float = 0.0
-    max_rank: int = 0  # 0 while empty
+    max_rank: int = 0  # the largest rank held; 0 while empty
 
-    def add(self, adapter: PlacementAdapter, share: float) -> None:
-        self.shares[adapter.name] = self.shares.get(adapter.name, 0.0) + share
+    def add(self, name: str, rank: int, share: float) -> None:
+        self.shares[name] = self.shares.get(name, 0.0) + share
+        self.ranks[name] = rank
         self.load += share
-        self.max_rank = max(self.max_rank, adapter.rank)
+        self.max_rank = max(self.max_rank, rank)
+
+    def remove(self, name: str, share: float) -> float:
+        """Takes `share` of adapter `name` out (all of it when what stays would be dust); returns
+        what was taken."""
+        if self.shares[name] - share <= EPS:
+            share = self.shares.pop(name)
+            del self.ranks[name]
+            self.max_rank = max(self.ranks.values(), default=0)
+        else:
+            self.shares[name] -= share
+        self.load -= share
+        return share
 
 
 def round_half_up(x: float) -> int:
@@ -40,26 +55,42 @@ def rank_budgets(rank_util: Mapping[int, float], target: float, servers: int) ->
     return budgets
 
 
-def pack_ranks(adapters: Sequence[PlacementAdapter], loads: Mapping[str, float], budgets: Mapping[int, int],
-               target: float) -> tuple[list[Bin], dict[str, float]]:
+def budget_capabilities(budgets: Mapping[int, int], capabilities: Sequence[int]) -> tuple[dict[int, list[int]], list[int]]:
+    """Ties each rank's bins to servers that can hold it. Ranks are served from the highest down, each
+    bin taking the smallest server max_rank that suffices, so the largest servers stay free for the
+    leftovers of high ranks. A rank with fewer capable servers left than its budget gets fewer bins
+    (its excess load becomes leftovers). Returns {rank: bin capabilities} and the unused capabilities
+    (the surplus bins)."""
+    free = sorted(capabilities)
+    per_rank: dict[int, list[int]] = {}
+    for rank in sorted(budgets, reverse=True):
+        start = bisect.bisect_left(free, rank)
+        end = min(start + budgets[rank], len(free))
+        per_rank[rank] = free[start:end]
+        del free[start:end]
+    return per_rank, free
+
+
+def pack_ranks(adapters: Sequence[PlacementAdapter], loads: Mapping[str, float],
+               capabilities: Mapping[int, Sequence[int]], target: float) -> tuple[list[Bin], dict[str, float]]:
     """Fractional next-fit packing, ranks ascending so bins come out rank-contiguous. Each rank fills
-    its `budgets[r]` bins up to `target`, splitting an adapter across consecutive bins when it does not
-    fit. Returns the bins and what is left of each adapter's load."""
+    its bins (one per entry of `capabilities[rank]`) up to `target`, splitting an adapter across
+    consecutive bins when it does not fit. Returns the bins and what is left of each adapter's load."""
     remainder = {a.name: loads[a.name] for a in adapters}
     bins: list[Bin] = []
     by_rank: dict[int, list[PlacementAdapter]] = {}
     for a in adapters:
         by_rank.setdefault(a.rank, []).append(a)
     for rank in sorted(by_rank):
-        if budgets.get(rank, 0) > 0:
-            _pack_rank(by_rank[rank], budgets[rank], target, bins, remainder)
+        if capabilities.get(rank):
+            _pack_rank(by_rank[rank], capabilities[rank], target, bins, remainder)
     return bins, remainder
 
 
-def _pack_rank(adapters: list[PlacementAdapter], budget: int, target: float, bins: list[Bin],
+def _pack_rank(adapters: list[PlacementAdapter], capabilities: Sequence[int], target: float, bins: list[Bin],
                remainder: dict[str, float]) -> None:
     k = len(bins)
-    bins.extend(Bin() for _ in range(budget))
+    bins.extend(Bin(c) for c in capabilities)
     for a in sorted(adapters, key=lambda a: (-remainder[a.name], a.name)):
         while remainder[a.name] > EPS and k < len(bins):
             free = target - bins[k].load
@@ -67,58 +98,7 @@ def _pack_rank(adapters: list[PlacementAdapter], budget: int, target: float, bin
                 k += 1
                 continue
             take = min(free, remainder[a.name])
-            bins[k].add(a, take)
+            bins[k].add(a.name, a.rank, take)
             remainder[a.name] -= take
         if k == len(bins):
             return  # this rank's bins are full; the rest of its adapters are leftovers
-
-
-def place_leftovers(bins: list[Bin], leftovers: Sequence[PlacementAdapter], remainder: Mapping[str, float],
-                    target: float) -> None:
-    """ALLOCATEHIGHESTMAXRANK with a capacity check. In descending rank (then larger remainder):
-    the bin with the highest max rank >= the adapter's rank that can take the whole remainder within
-    `target`, least loaded first; if none can, the least loaded bin overall. Heaps per max rank keep
-    this O(L · ranks · log N) for thousands of leftovers."""
-    groups = _BinGroups(bins)
-    limit = target + max(EPS, target * 1e-9)
-    for a in sorted(leftovers, key=lambda a: (-a.rank, -remainder[a.name], a.name)):
-        rem = remainder[a.name]
-        index = groups.fitting(a.rank, rem, limit)
-        if index is None:
-            index = groups.least_loaded()
-        bins[index].add(a, rem)
-        groups.update(index)
-
-
-class _BinGroups:
-    """Bins grouped by their current max rank, each group a min-heap of (load, index) with lazy deletion."""
-
-    def __init__(self, bins: list[Bin]) -> None:
-        self._bins = bins
-        self._heaps: dict[int, list[tuple[float, int]]] = {}
-        for i in range(len(bins)):
-            self.update(i)
-
-    def update(self, index: int) -> None:
-        b = self._bins[index]
-        heapq.heappush(self._heaps.setdefault(b.max_rank, []), (b.load, index))
-
-    def _head(self, max_rank: int) -> tuple[float, int] | None:
-        heap = self._heaps[max_rank]
-        while heap:
-            load, i = heap[0]
-            if self._bins[i].max_rank == max_rank and self._bins[i].load == load:
-                return heap[0]
-            heapq.heappop(heap)  # stale: the bin has changed since this entry was pushed
-        return None
-
-    def fitting(self, rank: int, amount: float, limit: float) -> int | None:
-        for max_rank in sorted((r for r in self._heaps if r >= rank), reverse=True):
-            head = self._head(max_rank)
-            if head is not None and head[0] + amount <= limit:
-                return head[1]
-        return None
-
-    def least_loaded(self) -> int:
-        heads = [(h[0], -r, h[1]) for r in self._heaps if (h := self._head(r)) is not None]
-        return min(heads)[2]

@@ -1,5 +1,5 @@
 """Zero-demand adapters (cold or new): they carry no load but every adapter needs a server. Keep them
-where they were routed or where a copy already lives; otherwise put them on the server holding the
+where they were routed (their `min_replicas` heaviest routes) or where a copy already lives; otherwise put them on the server holding the
 fewest adapters among those whose max rank they do not raise (empty servers, or servers already at
 their rank or above), so the rank mix of busy servers does not get worse."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from loraplex.placement.snapshot import PlacementAdapter, PlacementInput, PlacementServer, previous_server
+from loraplex.placement.snapshot import PlacementAdapter, PlacementInput, PlacementServer, previous_routes
 
 
 def place_cold(inp: PlacementInput, cold: Sequence[PlacementAdapter], servers: Sequence[PlacementServer],
@@ -18,9 +18,12 @@ def place_cold(inp: PlacementInput, cold: Sequence[PlacementAdapter], servers: S
     by_id = {s.id: s for s in servers}
     state = _ServerState(servers, weights, ranks)
     for a in sorted(cold, key=lambda a: (-a.rank, a.name)):
-        server = previous_server(inp, a, by_id) or _held_copy(a, by_id) or state.best(a.rank)
-        weights[a.name] = {server: 1.0}
-        state.add(server, a.rank)
+        routes = previous_routes(inp, a, by_id)
+        if not routes:
+            routes = {_held_copy(a, by_id) or state.best(a.rank): 1.0}
+        weights[a.name] = routes
+        for server in routes:
+            state.add(server, a.rank)
 
 
 def _held_copy(a: PlacementAdapter, servers: Mapping[str, PlacementServer]) -> str | None:

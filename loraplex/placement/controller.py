@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from loraplex.engine.clock import Clock
@@ -45,6 +45,7 @@ class ControllerReport:
     required_servers: int = 0              # the autoscaling signal (ceil of Σ load)
     unplaceable: tuple[str, ...] = ()
     placement: Placement | None = None
+    overloaded: tuple[str, ...] = ()       # servers over the policy's limit: the pool lacks capacity
 
 
 @dataclass(frozen=True)
@@ -60,22 +61,28 @@ class _Observed:
 
 def build_input(servers: Sequence[ServerRecord], adapters: Sequence[AdapterRecord], demand: DemandWindows,
                 operating_points: OperatingPoints, previous: RoutingTable | None,
-                forecaster: Forecaster = ewma) -> PlacementInput:
+                forecaster: Forecaster = ewma, min_replicas: Mapping[str, int] | None = None) -> PlacementInput:
     """The policy's snapshot: forecast tokens/s from the observed windows; an adapter never observed
-    in them uses its declared `expected_tps`."""
+    in them uses its declared `expected_tps`. `min_replicas` maps adapter names to their
+    LoRADeployment `replicas.min` (default 1)."""
+    floors = min_replicas or {}
     placement_adapters = [
         PlacementAdapter(a.name, a.digest, a.rank,
                          forecaster(demand.rates[a.name]) if a.name in demand.rates else a.expected_tps,
-                         a.locations)
+                         a.locations, floors.get(a.name, 1))
         for a in adapters]
     placement_servers = [PlacementServer(s.id, s.max_rank) for s in servers]
     return PlacementInput(placement_servers, placement_adapters, operating_points, previous)
 
 
 class PlacementController:
+    """`min_replicas`, when given, is called at each placement for {adapter: replicas.min} (the
+    operator's view of its LoRADeployments); adapters it leaves out need one server."""
+
     def __init__(self, store: RoutingStore, policy: PlacementPolicy, clock: Clock, interval_s: float,
                  operating_points: OperatingPoints, windows: int = DEFAULT_WINDOWS,
-                 forecaster: Forecaster = ewma, phi_tolerance: float = 1e-3) -> None:
+                 forecaster: Forecaster = ewma, phi_tolerance: float = 1e-3,
+                 min_replicas: Callable[[], Mapping[str, int]] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"placement interval must be positive, got {interval_s}")
         self.store, self.policy, self.clock = store, policy, clock
@@ -84,6 +91,7 @@ class PlacementController:
         self.windows = windows
         self.forecaster = forecaster
         self.phi_tolerance = phi_tolerance
+        self.min_replicas = min_replicas
         self._last_version = 0        # numbering stays monotonic even if the store lost its tables
         self._last_run: float | None = None
         self._last_fingerprint: object = None
@@ -128,14 +136,17 @@ class PlacementController:
         previous = self.store.read_table()
         demand = self.store.demand_windows(now, self.windows)
         inp = build_input(observed.servers, observed.adapters, demand, self.operating_points, previous,
-                          self.forecaster)
+                          self.forecaster, self.min_replicas() if self.min_replicas else None)
         placement = self.policy.place(inp)
         if placement.unplaceable:
             log.warning("no healthy server can hold adapters %s", ", ".join(placement.unplaceable))
+        if placement.overloaded:
+            log.warning("servers %s are overloaded: too few servers can hold the ranks they serve",
+                        ", ".join(placement.overloaded))
         version = max(previous.version if previous else 0, self._last_version) + 1
         table = placement.to_table(version, now, inp.adapters)
         report = dict(required_servers=placement.required_servers, unplaceable=placement.unplaceable,
-                      placement=placement)
+                      placement=placement, overloaded=placement.overloaded)
         if previous is not None and table.same_routes(previous, self.phi_tolerance):
             self._last_version = previous.version
             return ControllerReport("unchanged", previous.version, **report)

@@ -1,43 +1,118 @@
 """LoRAServe's placement (Algorithm 1, paper notes §3.4-3.6): per-rank server budgets from
-operating-point-normalised demand, fractional bin packing per rank, leftovers on high-max-rank
-servers with a capacity check, a churn-minimising bin -> server permutation, φ = share / load."""
+operating-point-normalised demand, fractional bin packing per rank on servers able to hold the rank,
+leftovers on high-max-rank servers with a capacity check, a churn-minimising bin -> server
+permutation, φ = share / load. With `hysteresis` > 0 and a previous table, routes that still fit stay
+put and only the rest is placed again (sticky.py)."""
 
 from __future__ import annotations
 
-from loraplex.placement.binpack import Bin, pack_ranks, place_leftovers, rank_budgets
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from loraplex.placement.binpack import Bin, budget_capabilities, pack_ranks, rank_budgets
 from loraplex.placement.cold import place_cold
+from loraplex.placement.leftovers import place_leftovers
 from loraplex.placement.permute import map_bins_to_servers
-from loraplex.placement.snapshot import EPS, Placement, PlacementInput, split_placeable
+from loraplex.placement.replicas import ensure_min_replicas
+from loraplex.placement.snapshot import (
+    EPS,
+    Placement,
+    PlacementAdapter,
+    PlacementInput,
+    PlacementServer,
+    split_placeable,
+)
+from loraplex.placement.sticky import keep_previous
+from loraplex.routing.table import RoutingTable
+
+# Default tolerance: a server keeps its previous adapters while its load stays within 10 % above
+# targetUtil. 0 reproduces the paper (a fresh packing every step, churn limited by the permutation).
+DEFAULT_HYSTERESIS = 0.1
 
 
 class LoRAServePolicy:
     name = "loraserve"
+
+    def __init__(self, hysteresis: float = DEFAULT_HYSTERESIS) -> None:
+        if not (math.isfinite(hysteresis) and hysteresis >= 0):
+            raise ValueError(f"loraserve hysteresis must be a finite fraction >= 0, got {hysteresis}")
+        self.hysteresis = hysteresis
 
     def place(self, inp: PlacementInput) -> Placement:
         servers = inp.healthy_servers()
         adapters, unplaceable = split_placeable(inp, servers)
         loads = {a.name: inp.load(a) for a in adapters}
         hot = [a for a in adapters if loads[a.name] > EPS]
-        rank_util: dict[int, float] = {}
-        for a in hot:
-            rank_util[a.rank] = rank_util.get(a.rank, 0.0) + loads[a.name]
-        total = sum(rank_util.values())
+        total = math.fsum(loads[a.name] for a in hot)
         target = total / len(servers)
+        limit = target * (1 + self.hysteresis)
         stats = {"total_util": total, "target_util": target}
-        bins: list[Bin] = []
-        if hot:
-            budgets = rank_budgets(rank_util, target, len(servers))
-            bins, remainder = pack_ranks(hot, loads, budgets, target)
-            bins.extend(Bin() for _ in range(len(servers) - len(bins)))
-            leftovers = [a for a in hot if remainder[a.name] > EPS]
-            place_leftovers(bins, leftovers, remainder, target)
-            stats.update({f"budget_r{r}": float(b) for r, b in budgets.items()})
-        else:
-            bins = [Bin() for _ in servers]
         weights: dict[str, dict[str, float]] = {}
-        for b, server in zip(bins, map_bins_to_servers(bins, servers, loads, inp.previous), strict=True):
-            for name, share in b.shares.items():
-                weights.setdefault(name, {})[server] = share / loads[name]
+        overloaded: set[str] = set()
+        if hot:
+            packed = None
+            if inp.previous is not None and self.hysteresis > 0:
+                packed = _sticky(inp.previous, hot, servers, loads, target, limit, stats)
+            if packed is None:
+                packed = _fresh(inp.previous, hot, servers, loads, target, limit, stats)
+            weights, overloaded = _weights(packed, loads)
         cold = [a for a in adapters if loads[a.name] <= EPS]
         place_cold(inp, cold, servers, weights, {a.name: a.rank for a in adapters})
-        return Placement(self.name, weights, inp.required_servers(), unplaceable, stats)
+        ensure_min_replicas(weights, adapters, servers, loads, target)
+        server_loads = _server_loads(weights, loads)
+        stats["max_load_ratio"] = max(server_loads.values(), default=0.0) / target if target > 0 else 0.0
+        return Placement(self.name, weights, inp.required_servers(), unplaceable, stats, tuple(sorted(overloaded)))
+
+
+@dataclass
+class _Packed:
+    bins: list[Bin]
+    servers: list[str]     # the server each bin landed on
+    overflowed: set[int]   # bins that took load beyond the limit
+
+
+def _fresh(previous: RoutingTable | None, hot: Sequence[PlacementAdapter], servers: Sequence[PlacementServer],
+           loads: Mapping[str, float], target: float, limit: float, stats: dict[str, float]) -> _Packed:
+    """Algorithm 1 steps 2-5 on logical bins, then mapped onto servers."""
+    rank_util: dict[int, float] = {}
+    for a in hot:
+        rank_util[a.rank] = rank_util.get(a.rank, 0.0) + loads[a.name]
+    budgets = rank_budgets(rank_util, target, len(servers))
+    per_rank, surplus = budget_capabilities(budgets, [s.max_rank for s in servers])
+    bins, remainder = pack_ranks(hot, loads, per_rank, target)
+    bins.extend(Bin(c) for c in surplus)
+    overflowed = place_leftovers(bins, [a for a in hot if remainder[a.name] > EPS], remainder, target, limit)
+    stats.update({f"budget_r{r}": float(len(per_rank[r])) for r in budgets})
+    return _Packed(bins, map_bins_to_servers(bins, servers, loads, previous), overflowed)
+
+
+def _sticky(previous: RoutingTable, hot: Sequence[PlacementAdapter], servers: Sequence[PlacementServer],
+            loads: Mapping[str, float], target: float, limit: float, stats: dict[str, float]) -> _Packed | None:
+    """Hysteresis: previous routes that still fit stay, the rest is placed as leftovers. None when
+    that overloads a server: under overload a full repacking spreads the load better."""
+    by_server = {s.id: Bin(s.max_rank) for s in servers}
+    remainder = keep_previous(by_server, hot, loads, previous, limit)
+    moved = [a for a in hot if remainder[a.name] > EPS]
+    bins = list(by_server.values())
+    if place_leftovers(bins, moved, remainder, target, limit):
+        return None
+    stats["kept_fraction"] = 1.0 - math.fsum(remainder[a.name] for a in moved) / math.fsum(loads.values())
+    return _Packed(bins, list(by_server), set())
+
+
+def _weights(packed: _Packed, loads: Mapping[str, float]) -> tuple[dict[str, dict[str, float]], set[str]]:
+    """φ(a, s) = share of u(a) on s / u(a); and the overloaded servers."""
+    weights: dict[str, dict[str, float]] = {}
+    for b, server in zip(packed.bins, packed.servers, strict=True):
+        for name, share in b.shares.items():
+            weights.setdefault(name, {})[server] = share / loads[name]
+    return weights, {packed.servers[i] for i in packed.overflowed}
+
+
+def _server_loads(weights: Mapping[str, Mapping[str, float]], loads: Mapping[str, float]) -> dict[str, float]:
+    per_server: dict[str, float] = {}
+    for name, routes in weights.items():
+        for server, phi in routes.items():
+            per_server[server] = per_server.get(server, 0.0) + phi * loads[name]
+    return per_server

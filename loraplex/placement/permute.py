@@ -28,8 +28,8 @@ def map_bins_to_servers(bins: Sequence[Bin], servers: Sequence[PlacementServer],
         _add_overlap(score, bins, servers, loads, previous)
     columns = max_weight_assignment(score)
     if (score[np.arange(len(bins)), columns] <= _FORBIDDEN / 2).any():
-        raise PlacementError("the servers' max ranks cannot hold the packed bins; "
-                             "give the pool servers of one max rank or fewer high-rank adapters")
+        # Bins are tied to server capabilities before packing, so a valid mapping always exists.
+        raise PlacementError("internal error: packed bins do not match the servers' max ranks")
     return [servers[j].id for j in columns]
 
 

@@ -7,7 +7,7 @@ import random
 from typing import Protocol
 
 from loraplex.placement.baselines import ContiguousPolicy, RandomPolicy, ReplicateAllPolicy
-from loraplex.placement.loraserve import LoRAServePolicy
+from loraplex.placement.loraserve import DEFAULT_HYSTERESIS, LoRAServePolicy
 from loraplex.placement.snapshot import Placement, PlacementInput
 
 POLICY_NAMES = ("loraserve", "replicate-all", "random", "contiguous")
@@ -19,10 +19,13 @@ class PlacementPolicy(Protocol):
     def place(self, inp: PlacementInput) -> Placement: ...
 
 
-def make_policy(name: str, rng: random.Random | None = None) -> PlacementPolicy:
-    """`rng` is used by `random` (required there, so runs are reproducible)."""
+def make_policy(name: str, rng: random.Random | None = None, *,
+                hysteresis: float = DEFAULT_HYSTERESIS) -> PlacementPolicy:
+    """`rng` is used by `random` (required there, so runs are reproducible). `hysteresis` is
+    `loraserve`'s tolerance above targetUtil within which an adapter keeps its previous servers
+    (0: the paper's fresh packing every step); the baselines ignore it (`random` is static anyway)."""
     if name == "loraserve":
-        return LoRAServePolicy()
+        return LoRAServePolicy(hysteresis)
     if name == "replicate-all":
         return ReplicateAllPolicy()
     if name == "contiguous":

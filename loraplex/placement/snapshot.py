@@ -30,6 +30,14 @@ class PlacementAdapter:
     rank: int
     demand_tps: float = 0.0                    # forecast tokens/s for the next step
     locations: frozenset[str] = frozenset()    # servers holding it in host memory now
+    min_replicas: int = 1                      # LoRADeployment replicas.min: distinct servers to hold it
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0 or not math.isfinite(self.demand_tps) or self.demand_tps < 0:
+            raise ValueError(f"adapter {self.name!r}: rank must be positive and demand_tps finite and >= 0, "
+                             f"got rank {self.rank}, demand_tps {self.demand_tps}")
+        if self.min_replicas < 1:
+            raise ValueError(f"adapter {self.name!r}: min_replicas must be >= 1, got {self.min_replicas}")
 
 
 @dataclass(frozen=True)
@@ -59,13 +67,17 @@ class PlacementInput:
 @dataclass(frozen=True)
 class Placement:
     """`weights[adapter][server] = φ`. Adapters that no healthy server can hold (rank above every
-    server's max_rank) are listed in `unplaceable` and left out of `weights`."""
+    server's max_rank) are listed in `unplaceable` and left out of `weights`. `overloaded` lists the
+    servers whose forecast load exceeds the policy's limit because the servers able to hold some
+    rank ran out of room (e.g. too few high-max-rank servers): the placement still routes everything,
+    and the pool needs more (or larger-rank) servers."""
 
     policy: str
     weights: Mapping[str, Mapping[str, float]]
     required_servers: int
     unplaceable: tuple[str, ...] = ()
     stats: Mapping[str, float] = field(default_factory=dict)  # policy diagnostics, e.g. target_util
+    overloaded: tuple[str, ...] = ()
 
     def entries(self, adapters: Sequence[PlacementAdapter]) -> dict[str, TableEntry]:
         placed = [a for a in adapters if a.name in self.weights]
@@ -84,13 +96,14 @@ def split_placeable(inp: PlacementInput, servers: Sequence[PlacementServer]
     return placeable, tuple(sorted(a.name for a in inp.adapters if a.rank > top))
 
 
-def previous_server(inp: PlacementInput, adapter: PlacementAdapter, servers: Mapping[str, PlacementServer]
-                    ) -> str | None:
-    """Where the adapter was routed most recently (its largest-φ server), if that server can still take it."""
+def previous_routes(inp: PlacementInput, adapter: PlacementAdapter, servers: Mapping[str, PlacementServer]
+                    ) -> dict[str, float]:
+    """The adapter's `min_replicas` heaviest routes of the previous table on servers that can still
+    hold it, φ renormalised; with min_replicas = 1 the server it was mostly routed to, φ = 1."""
     if inp.previous is None:
-        return None
-    for route in sorted(inp.previous.routes(adapter.name), key=lambda r: (-r.weight, r.server)):
-        server = servers.get(route.server)
-        if server is not None and server.max_rank >= adapter.rank:
-            return route.server
-    return None
+        return {}
+    routes = [r for r in inp.previous.routes(adapter.name)
+              if r.server in servers and servers[r.server].max_rank >= adapter.rank]
+    kept = sorted(routes, key=lambda r: (-r.weight, r.server))[:adapter.min_replicas]
+    total = sum(r.weight for r in kept)
+    return {r.server: r.weight / total for r in kept}

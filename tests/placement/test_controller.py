@@ -132,3 +132,13 @@ def test_interval_must_be_positive(setup):
     _, store, _ = setup
     with pytest.raises(ValueError, match="interval"):
         PlacementController(store, make_policy("loraserve"), ManualClock(), 0, DEFAULT_CPU)
+
+
+def test_min_replicas_provider_reaches_the_table(setup):
+    clock, store, _ = setup
+    controller = PlacementController(store, make_policy("loraserve"), clock, interval_s=60,
+                                     operating_points=DEFAULT_CPU, min_replicas=lambda: {"a": 3, "b": 2})
+    report = controller.run_once()
+    table = store.read_table()
+    assert [len(table.routes(n)) for n in ("a", "b", "c", "d")] == [3, 2, 1, 1]
+    assert report.overloaded == ()

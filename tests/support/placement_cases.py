@@ -12,7 +12,9 @@ OP = OperatingPoints({8: 4000.0, 16: 3600.0, 32: 3200.0, 64: 2600.0, 128: 2000.0
 
 
 def random_input(rng: random.Random, previous=None, max_servers: int = 12, max_adapters: int = 60,
-                 capabilities: tuple[int, ...] = (128,)) -> PlacementInput:
+                 capabilities: tuple[int, ...] = (128,), max_min_replicas: int = 1) -> PlacementInput:
+    """Servers get a max rank drawn from `capabilities` (15 % unhealthy, at least one healthy);
+    adapters a rank from RANKS and, when `max_min_replicas` > 1, a min_replicas in 1..max_min_replicas."""
     servers = [PlacementServer(f"s{i:02d}", rng.choice(capabilities), healthy=rng.random() > 0.15)
                for i in range(rng.randint(1, max_servers))]
     if not any(s.healthy for s in servers):
@@ -21,7 +23,8 @@ def random_input(rng: random.Random, previous=None, max_servers: int = 12, max_a
     for i in range(rng.randint(0, max_adapters)):
         # Zipf-like popularity with many cold adapters
         demand = 0.0 if rng.random() < 0.3 else 3000.0 / (i + 1) ** rng.uniform(0.5, 1.5) * rng.uniform(0.1, 4)
-        adapters.append(PlacementAdapter(f"a{i:03d}", f"sha256:{i}", rng.choice(RANKS), demand))
+        copies = rng.randint(1, max_min_replicas) if max_min_replicas > 1 else 1
+        adapters.append(PlacementAdapter(f"a{i:03d}", f"sha256:{i}", rng.choice(RANKS), demand, min_replicas=copies))
     return PlacementInput(servers, adapters, OP, previous)
 
 
