@@ -44,6 +44,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.residency = make_residency(config.residency, config.max_loras)
         self.adapters: dict[str, AdapterInfo] = {}
+        # ranks outlive unloading: queued requests of an unloaded adapter still need a slot
+        self._ranks: dict[AdapterId, int] = {}
         self.scheduler = make_scheduler(config, self.kv, self.residency, self._rank_of, self.clock)
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -60,6 +62,7 @@ class EngineCore:
             raise AdapterError(f"adapter {info.id.name!r} has rank {info.rank}, above this engine's "
                                f"max_lora_rank={self.config.max_lora_rank}")
         self.adapters[info.id.name] = info
+        self._ranks[info.id] = info.rank
 
     def remove_adapter(self, name: str) -> AdapterInfo:
         """New requests for `name` are refused at once; running ones finish with the weights they have."""
@@ -70,10 +73,7 @@ class EngineCore:
         return info
 
     def _rank_of(self, adapter: AdapterId) -> int:
-        info = self.adapters.get(adapter.name)
-        if info is not None and info.id == adapter:
-            return info.rank
-        raise NotFoundError(f"adapter {adapter} is not loaded")
+        return self._ranks[adapter]
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -164,3 +164,17 @@ def test_same_name_new_digest_is_a_different_adapter():
     run_all(core, [Request("after", [1, 2], SamplingParams(max_tokens=2), adapter=new.id)])
     loads = [load.adapter for step in executor.steps for load in step.adapter_loads]
     assert loads == [old.id, new.id]
+
+
+def test_unloading_an_adapter_with_queued_requests_still_serves_them():
+    core, _ = make_engine(max_loras=1, max_num_seqs=1)
+    first, second = ADAPTERS[0], ADAPTERS[1]
+    running = Request("running", [1, 2], SamplingParams(max_tokens=4), adapter=first.id)
+    queued = Request("queued", [3, 4], SamplingParams(max_tokens=4), adapter=second.id)
+    core.add_request(running)
+    core.add_request(queued)
+    core.step()
+    core.remove_adapter(second.id.name)
+    while core.has_unfinished():
+        core.step()
+    assert len(queued.output_token_ids) == 4

@@ -1,0 +1,292 @@
+"""The engine thread and its bridge to asyncio.
+
+`EngineCore` is not thread-safe, so exactly one thread owns it: it runs the commands the server
+queues (add a request, abort one, add or remove an adapter), steps the core while there is work,
+sleeps when there is none, and hands each step's outputs to the asyncio queue of their request
+with `loop.call_soon_threadsafe`. Reading an adapter from disk happens before its command is
+queued, on a worker thread, so a slow load never stalls the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loraplex.engine.core import EngineStats
+from loraplex.engine.messages import RequestOutput
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.spec.adapter import AdapterInfo
+from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError
+from loraplex_agent.adapters import load_peft_adapter
+from loraplex_agent.host_adapter import HostAdapter
+
+if TYPE_CHECKING:
+    from loraplex_agent.llm import LLM
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(LoraplexError):
+    status = 503
+    type = "service_unavailable"
+
+
+@dataclass
+class AdapterRecord:
+    info: AdapterInfo
+    path: str
+
+
+@dataclass
+class EngineSnapshot:
+    """What /metrics reads; taken on the engine thread after each step, read from any thread."""
+
+    stats: EngineStats
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
+    resident_adapters: list[str] = field(default_factory=list)
+    taken_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Stream:
+    request: Request
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.core = llm.core
+        self.max_model_len = llm.core.config.max_model_len
+        self.adapters: dict[str, AdapterRecord] = {}  # the loop's view: loaded and not unloading
+        self.error: BaseException | None = None
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # owned by the engine thread
+        self._streams: dict[str, _Stream] = {}
+        self._unloading: dict[str, AdapterInfo] = {}
+        self._snapshot = self._take_snapshot()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    async def generate(self, request: Request, adapter: str | None) -> AsyncIterator[RequestOutput]:
+        """Outputs of `request` as the engine produces them; leaving early aborts the request.
+
+        `adapter` is resolved to its current identity on the engine thread, so an unload racing
+        with this call either refuses the request or lets it finish, never half-way.
+        """
+        stream = _Stream(request, asyncio.Queue())
+        finished = False
+        try:
+            await self._call(lambda: self._add_request(stream, adapter))
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort(request.request_id))
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    async def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Read and validate the adapter off the engine thread, then register it on it."""
+        if name in self.adapters:
+            raise ConflictError(f"adapter {name!r} is already loaded; unload it first", param="lora_name")
+        if not Path(path).exists():
+            raise NotFoundError(f"adapter path {str(path)!r} does not exist", param="lora_path")
+        host = await asyncio.to_thread(
+            load_peft_adapter, name, path, self.llm.model_config, self.core.config.max_lora_rank,
+            base_model_aliases=[self.llm.served_model_name])
+        await self._call(lambda: self._register_adapter(host))
+        self.adapters[name] = AdapterRecord(host.info, str(path))
+        return host.info
+
+    async def remove_adapter(self, name: str) -> AdapterInfo:
+        """New requests for `name` are refused at once; those already accepted finish first."""
+        info, _ = await self.unload_adapter(name)
+        return info
+
+    async def unload_adapter(self, name: str) -> tuple[AdapterInfo, int]:
+        """`remove_adapter`, also saying how many accepted requests still run on the adapter."""
+        if name not in self.adapters:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
+        info, draining = await self._call(lambda: self._unload_adapter(name))
+        self.adapters.pop(name, None)
+        return info, draining
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._wait_for_work()
+                if commands is None:
+                    return
+                for command in commands:
+                    command()
+                if self.core.has_unfinished():
+                    self._dispatch(self.core.step())
+                self._finish_unloads()
+                self._snapshot = self._take_snapshot()
+        except BaseException as exc:  # the core's state is unknown now: fail everyone, stay down
+            log.exception("the engine thread failed")
+            self._fail_all(exc)
+
+    def _wait_for_work(self) -> list[Callable[[], None]] | None:
+        with self._wakeup:
+            while not self._commands and not self.core.has_unfinished() and not self._stopping:
+                self._wakeup.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        deliveries = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted by the server while the step ran
+            deliveries.append((stream.queue, output))
+            if output.finished:
+                del self._streams[output.request_id]
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _add_request(self, stream: _Stream, adapter: str | None) -> None:
+        if adapter is not None:
+            info = self.core.adapters.get(adapter)
+            if info is None or adapter in self._unloading:
+                raise NotFoundError(f"the model {adapter!r} does not exist", param="model",
+                                    code="model_not_found")
+            stream.request.adapter = info.id
+        self.core.add_request(stream.request)
+        self._streams[stream.request.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.core.abort_request(request_id)
+
+    def _register_adapter(self, host: HostAdapter) -> None:
+        name = host.info.id.name
+        if name in self._unloading:
+            raise ConflictError(f"adapter {name!r} is still being unloaded (requests are running on "
+                                "it); try again when they finish", param="lora_name")
+        self.core.add_adapter(host.info)
+        self.llm.adapters.add(host)
+
+    def _unload_adapter(self, name: str) -> tuple[AdapterInfo, int]:
+        info = self.core.adapters.get(name)
+        if info is None or name in self._unloading:
+            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
+        self._unloading[name] = info
+        draining = sum(1 for s in self._streams.values() if s.request.adapter == info.id)
+        self._finish_unloads()
+        return info, draining
+
+    def _finish_unloads(self) -> None:
+        """Remove an unloading adapter from the core once no accepted request uses it."""
+        if not self._unloading:
+            return
+        busy = {s.request.adapter for s in self._streams.values()}
+        for name, info in list(self._unloading.items()):
+            if info.id not in busy:
+                self.core.remove_adapter(name)
+                self.llm.adapters.remove(info.id)
+                del self._unloading[name]
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        running, waiting = set(), set()
+        for stream in self._streams.values():
+            adapter = stream.request.adapter
+            if adapter is not None:
+                target = running if stream.request.status == RequestStatus.RUNNING else waiting
+                target.add(adapter.name)
+        stats = self.core.stats()
+        return EngineSnapshot(stats=stats, running_adapters=sorted(running), waiting_adapters=sorted(waiting),
+                              resident_adapters=sorted(a.name for a in stats.resident_adapters))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.error = exc
+        error = EngineDeadError(f"the engine failed: {exc!r}")
+        with self._wakeup:
+            commands = list(self._commands)
+            self._commands.clear()
+            self._stopping = True
+        for command in commands:
+            command()  # each fails its future with EngineDeadError now that `error` is set
+        deliveries = [(s.queue, error) for s in self._streams.values()]
+        self._streams.clear()
+        if deliveries and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    # ---- commands ---------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if self.error is not None:
+                future.set_exception(EngineDeadError(f"the engine failed: {self.error!r}"))
+                return
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # a refused command; commands check before they change state
+                future.set_exception(exc)
+
+        with self._wakeup:
+            if self._stopping or self.error is not None:
+                future.set_exception(EngineDeadError("the engine is not running"))
+                return future
+            self._commands.append(command)
+            self._wakeup.notify()
+        return future
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self._submit(fn))
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in deliveries:
+        queue.put_nowait(item)

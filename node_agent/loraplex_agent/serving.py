@@ -1,0 +1,123 @@
+"""What completions and chat share: model names, prompts, sampling parameters, SSE framing."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from loraplex.engine.sampling import SamplingParams
+from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError
+from loraplex_agent.async_engine import AsyncEngine
+from loraplex_agent.generation import GenerationJob, TextDelta, generate_text
+from loraplex_agent.metrics import ServerMetrics
+from loraplex_agent.openai_protocol import ChatMessage, _SamplingFields
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_name: str
+    model_path: str
+
+    @property
+    def tokenizer(self):
+        return self.engine.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter a request's `model` names, or None for the base model."""
+        if model == self.served_model_name:
+            return None
+        if model in self.engine.adapters:
+            return model
+        raise NotFoundError(f"the model {model!r} does not exist", param="model", code="model_not_found")
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        vocab = self.engine.llm.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                                      param="prompt")
+        return list(prompt)
+
+    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
+        """The chat template of the tokenizer, ending with the assistant's turn to speak."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; use /v1/completions",
+                                      param="messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as exc:  # the template itself rejects the conversation (jinja raise_exception)
+            raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
+                                      param="messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, req: _SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
+                        logprobs: int | None, prompt_param: str) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                f"has {num_prompt_tokens} tokens", param=prompt_param,
+                code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; you asked for "
+                f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} in "
+                "the output)", param="max_tokens", code="context_length_exceeded")
+        return SamplingParams(
+            max_tokens=room if max_tokens is None else max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+            stop=req.stop_strings(), stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens)
+
+    def job(self, prefix: str, prompt_token_ids: list[int], sampling: SamplingParams,
+            adapter: str | None) -> GenerationJob:
+        return GenerationJob(f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids, sampling, adapter,
+                             self.engine.llm.eos_token_ids)
+
+    async def start(self, job: GenerationJob) -> tuple[TextDelta, AsyncIterator[TextDelta]]:
+        """Submit `job` and wait for its first delta, so a refusal still gets a proper HTTP status."""
+        deltas = generate_text(self.engine, self.tokenizer, self.metrics, job)
+        try:
+            first = await anext(deltas)
+        except BaseException:
+            await deltas.aclose()
+            raise
+        return first, deltas
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+
+
+async def chain(first: TextDelta, rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
+    yield first
+    async for delta in rest:
+        yield delta
+
+
+def sse(payload: BaseModel | dict) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error after the stream started: the status is already sent, so it travels as an event."""
+    error = exc if isinstance(exc, LoraplexError) else LoraplexError(f"internal error: {exc!r}")
+    return sse(error.to_openai())

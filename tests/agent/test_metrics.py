@@ -1,0 +1,74 @@
+"""/metrics speaks Prometheus text with vLLM's metric names, labelled with the served model."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+VLLM_NAMES = {
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:lora_requests_info": "gauge",
+    "vllm:cache_config_info": "gauge",
+    "loraplex:adapter_loads": "counter",
+    "loraplex:resident_adapters": "gauge",
+    "loraplex:request_success": "counter",
+}
+
+
+def _families(agent) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(agent.metrics())}
+
+
+def _value(family, suffix: str = "", **labels) -> float:
+    return sum(s.value for s in family.samples
+               if s.name == family.name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_metrics_use_vllm_names_types_and_model_label(agent):
+    client = agent.client()
+    client.completions.create(model=agent.adapters[2], prompt="x = 1\n", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    families = _families(agent)
+    for name, kind in VLLM_NAMES.items():
+        assert name in families, name
+        assert families[name].type == kind, name
+        assert all(s.labels["model_name"] == agent.base for s in families[name].samples), name
+
+
+def test_counters_and_histograms_move_with_requests(agent):
+    before = _families(agent)
+    agent.client().completions.create(model=agent.adapters[3], prompt="while True:\n", max_tokens=7,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    after = _families(agent)
+
+    def delta(name: str, suffix: str = "_total", **labels) -> float:
+        return _value(after[name], suffix, **labels) - _value(before[name], suffix, **labels)
+
+    assert delta("vllm:generation_tokens") >= 7
+    assert delta("vllm:prompt_tokens") >= 1
+    assert delta("vllm:request_success", finished_reason="length") >= 1
+    assert delta("loraplex:request_success", adapter=agent.adapters[3], finished_reason="length") == 1
+    assert delta("vllm:time_to_first_token_seconds", "_count") >= 1
+    assert delta("vllm:inter_token_latency_seconds", "_count") >= 6
+    assert delta("vllm:e2e_request_latency_seconds", "_count") >= 1
+    assert delta("vllm:request_queue_time_seconds", "_count") >= 1
+    assert 0.0 <= _value(after["vllm:kv_cache_usage_perc"]) <= 1.0
+    assert _value(after["loraplex:resident_adapters"]) >= 1
+
+
+def test_lora_requests_info_has_vllm_labels(agent):
+    [sample] = _families(agent)["vllm:lora_requests_info"].samples
+    assert set(sample.labels) == {"model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert sample.labels["max_lora"] == str(agent.engine.core.config.max_loras)
+    assert sample.value > 1e9  # a wall-clock timestamp, as vLLM sets it
