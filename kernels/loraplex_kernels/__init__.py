@@ -1,0 +1,6 @@
+"""Device kernels behind small interfaces, each with a torch reference implementation.
+
+- `loraplex_kernels.lora`: the segmented multi-LoRA delta (punica SGMV semantics).
+- `loraplex_kernels.attention`: paged KV writes and attention over block tables.
+Triton kernels will replace the references on the GPU behind the same signatures.
+"""

@@ -56,8 +56,8 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 10000.0),
-            rope_scaling=raw.get("rope_scaling"),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(raw),
+            rope_scaling=_rope_scaling(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
@@ -78,3 +78,18 @@ class ModelConfig:
             "down_proj": (self.intermediate_size, self.hidden_size),
         }
         return shapes[module]
+
+
+def _rope_theta(raw: dict) -> float:
+    """transformers < 5 writes `rope_theta`; 5.x nests it in `rope_parameters`."""
+    params = raw.get("rope_parameters") or {}
+    return float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(raw: dict) -> dict | None:
+    """The rope scaling dict (with `rope_type`), or None for plain rope; either config generation."""
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return None if kind == "default" else {**scaling, "rope_type": kind}

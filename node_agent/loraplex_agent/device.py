@@ -1,0 +1,70 @@
+"""Device and dtype resolution, and how many KV blocks fit."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex_agent.model_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_GIB = 1.0
+GPU_KV_FRACTION = 0.9  # of the free memory left once the weights are loaded
+GPU_ACTIVATION_RESERVE = 1 << 30  # bytes kept free for activations and the allocator's slack
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use cpu, cuda, cuda:N or auto")
+    return device
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto` is the checkpoint's dtype on CUDA and float32 on the CPU (where half precision is slow)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        name = config.torch_dtype if config.torch_dtype in DTYPES else "bfloat16"
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(DTYPES)}") from None
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across all layers (keys and values)."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * dtype.itemsize
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """The decoder's parameter memory, estimated from its shape."""
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return (per_layer * config.num_hidden_layers + embeddings + h) * dtype.itemsize
+
+
+def num_kv_blocks(config: ModelConfig, device: torch.device, dtype: torch.dtype, *, block_size: int,
+                  max_model_len: int, max_num_seqs: int, num_blocks: int | None = None,
+                  kv_cache_memory_gib: float | None = None) -> int:
+    """KV blocks to allocate: `num_blocks` if given, else sized from `kv_cache_memory_gib`, else from
+    free memory (90% of what the GPU has left after the weights; 1 GiB on the CPU). Memory-derived
+    sizes are capped at what max_num_seqs requests of max_model_len tokens can use."""
+    if num_blocks is not None:
+        return num_blocks
+    if kv_cache_memory_gib is not None:
+        budget = int(kv_cache_memory_gib * (1 << 30))
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(GPU_KV_FRACTION * (free - weight_bytes(config, dtype) - GPU_ACTIVATION_RESERVE))
+    else:
+        budget = int(CPU_DEFAULT_KV_GIB * (1 << 30))
+    blocks_per_seq = -(-max_model_len // block_size)
+    cap = blocks_per_seq * max_num_seqs + 1
+    return max(0, min(budget // kv_block_bytes(config, block_size, dtype), cap))

@@ -1,0 +1,132 @@
+"""LLM: the offline engine (model + executor + EngineCore + adapter store + tokenizer) in one object.
+
+    llm = LLM("out/base", max_loras=8)
+    llm.add_adapter("sql", "out/adapters/lora00-r8")
+    [request] = llm.generate(["SELECT"], SamplingParams(temperature=0, max_tokens=16), adapters=["sql"])
+    request.output_token_ids
+
+The server drives `llm.core` from its engine thread instead of calling `generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.request import Request
+from loraplex.engine.sampling import SamplingParams
+from loraplex.spec.adapter import AdapterInfo
+from loraplex.spec.errors import InvalidRequestError, NotFoundError
+from loraplex_agent.adapters import AdapterStore, load_peft_adapter
+from loraplex_agent.device import num_kv_blocks, resolve_device, resolve_dtype
+from loraplex_agent.executor import TorchExecutor
+from loraplex_agent.model_config import ModelConfig
+
+Prompt = str | list[int]
+
+
+class LLM:
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LLM:
+        """Build from the engine arguments of `loraplex_agent.cli.add_engine_args` plus `args.model`."""
+        return cls(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                   block_size=args.block_size, num_blocks=args.num_blocks,
+                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
+                   max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
+                   served_model_name=getattr(args, "served_model_name", None))
+
+    def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: float | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_loras: int = 8, max_lora_rank: int = 64,
+                 scheduler: str = "fifo", served_model_name: str | None = None,
+                 seed: int | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.served_model_name = served_model_name or self.model_dir.name
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, self.model_config, torch_device)
+        max_len = resolve_max_model_len(self.model_config, max_model_len)
+        blocks = num_kv_blocks(self.model_config, torch_device, torch_dtype, block_size=block_size,
+                               max_model_len=max_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                               kv_cache_memory_gib=kv_cache_memory)
+        self.engine_config = EngineConfig(
+            max_model_len=max_len, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras,
+            max_lora_rank=max_lora_rank, scheduler=scheduler)
+        self.adapters = AdapterStore()
+        self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
+                                      self.adapters.get, model_dir=self.model_dir, seed=seed)
+        self.core = EngineCore(self.engine_config, self.executor)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
+        self._request_ids = itertools.count()
+
+    # ---- adapters ---------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Read and validate a PEFT folder into host memory and make it servable."""
+        host = load_peft_adapter(name, path, self.model_config, self.engine_config.max_lora_rank,
+                                 base_model_aliases=[self.served_model_name])
+        self.core.add_adapter(host.info)
+        self.adapters.add(host)
+        return host.info
+
+    def remove_adapter(self, name: str) -> AdapterInfo:
+        """Stop serving `name`. Its host copy is dropped; call between `generate` calls."""
+        info = self.core.remove_adapter(name)
+        self.adapters.remove(info.id)
+        return info
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams],
+                 adapters: Sequence[str | None] | None = None) -> list[Request]:
+        """Run every prompt to completion (continuous batching inside); requests in prompt order."""
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        names = list(adapters) if adapters is not None else [None] * len(prompts)
+        if not len(params) == len(names) == len(prompts):
+            raise InvalidRequestError("prompts, sampling and adapters must have the same length")
+        requests = [self.make_request(p, s, a) for p, s, a in zip(prompts, params, names, strict=True)]
+        for request in requests:
+            self.core.add_request(request)
+        while not all(r.is_finished for r in requests):
+            self.core.step()
+        return requests
+
+    def make_request(self, prompt: Prompt, sampling: SamplingParams, adapter: str | None = None) -> Request:
+        token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        adapter_id = None
+        if adapter is not None:
+            host = self.adapters.by_name(adapter)
+            if host is None:
+                raise NotFoundError(f"adapter {adapter!r} is not loaded", param="model")
+            adapter_id = host.id
+        return Request(request_id=f"llm-{next(self._request_ids)}", prompt_token_ids=token_ids,
+                       sampling=sampling, adapter=adapter_id, eos_token_ids=self.eos_token_ids)
+
+
+def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:
+    """The model's context limit unless a smaller one is asked for. Sliding-window attention is not
+    implemented, so a Mistral-style window caps the context (the window then never binds)."""
+    limit = config.max_position_embeddings
+    if config.sliding_window:
+        limit = min(limit, config.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise InvalidRequestError(f"max_model_len={requested} exceeds this model's limit of {limit} tokens")
+    return requested
+
+
+def _eos_ids(configured: tuple[int, ...], tokenizer_eos: int | None) -> tuple[int, ...]:
+    if tokenizer_eos is None or tokenizer_eos in configured:
+        return configured
+    return (*configured, tokenizer_eos)
