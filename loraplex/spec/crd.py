@@ -202,6 +202,9 @@ class PlacementSpec(CrdModel):
     interval_seconds: int = Field(60, ge=5, le=86400)
     autoscale: bool = Field(True, description="Scale servers between min and max from the required-server estimate")
     scale_down_delay_seconds: int = Field(300, ge=0, description="Fewer servers must suffice this long before scaling down")
+    # The same default as loraplex.placement.DEFAULT_HYSTERESIS (spec stays independent of placement).
+    hysteresis: float = Field(0.1, ge=0, le=1, description="loraserve: a server keeps its adapters while its "
+                              "load stays within this fraction above the target; 0 repacks every interval")
     slo: SloSpec = Field(default_factory=SloSpec)
 
 
@@ -230,6 +233,10 @@ class AdapterPoolStatus(CrdModel):
     servers: list[ServerStatus] = Field(default_factory=list)
     last_placement_time: str | None = None
     below_since: str | None = Field(None, description="Since when fewer servers would do (scale-down delay)")
+    overloaded_servers: list[str] = Field(default_factory=list, description="Servers the last placement "
+                                          "loaded beyond its balanced share: too few servers can hold their ranks")
+    max_server_load: float | None = Field(None, ge=0, description="The busiest server's forecast load at the last "
+                                          "placement; 1.0 is what one server sustains under the SLO")
     observed_generation: int | None = Field(None, ge=0)
     conditions: list[Condition] = _conditions_field()
 

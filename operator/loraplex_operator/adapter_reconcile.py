@@ -18,11 +18,17 @@ from loraplex.routing import (
     StoreUnavailableError,
 )
 from loraplex.spec.crd import API_VERSION, AdapterPoolSpec, LoRADeploymentSpec, LoRADeploymentStatus
-from loraplex_operator.adapter_status import AdapterView, Event, adapter_status, blocked_status
+from loraplex_operator.adapter_status import (
+    AdapterView,
+    Event,
+    adapter_status,
+    beyond_every_server,
+    blocked_status,
+)
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import InspectionError
 from loraplex_operator.kube import ObjectRef
-from loraplex_operator.table_edits import NoServerError, apply_replica_bounds, ensure_adapter, without_adapter
+from loraplex_operator.table_edits import NoServerError, ensure_adapter, without_adapter
 
 Outcome = tuple[LoRADeploymentStatus, list[Event]]
 _PUBLISH_ATTEMPTS = 5
@@ -49,8 +55,10 @@ def _credentials(deps: Deps, namespace: str, spec: LoRADeploymentSpec) -> Mappin
 def _view(ref: ObjectRef, spec: LoRADeploymentSpec, generation: int | None, pool_exists: bool,
           record: AdapterRecord | None = None, table: RoutingTable | None = None,
           servers: Sequence[ServerRecord] = ()) -> AdapterView:
+    unplaceable = record is not None and beyond_every_server(record.rank, servers) and \
+        (table is None or ref.name not in table.entries)
     return AdapterView(name=ref.name, pool=spec.pool, generation=generation, pool_exists=pool_exists,
-                       record=record, table=table, servers=servers)
+                       record=record, table=table, servers=servers, unplaceable=unplaceable)
 
 
 def _record(ref: ObjectRef, spec: LoRADeploymentSpec, pool: AdapterPoolSpec, deps: Deps) -> AdapterRecord:
@@ -105,20 +113,19 @@ def register_adapter(ref: ObjectRef, generation: int | None, spec: LoRADeploymen
 
 def _route_now(store: RoutingStore, name: str, spec: LoRADeploymentSpec, now: float
                ) -> tuple[RoutingTable | None, list[ServerRecord]]:
-    """Adds the adapter to the current table on a server that can hold it; returns (table, servers).
-    With no capable server it stays unrouted (Pending) until the pool's next placement."""
+    """Adds the adapter to the current table on `replicas.min` servers that can hold it; returns
+    (table, servers). With no capable server it stays unrouted until the pool's next placement."""
     for _ in range(_PUBLISH_ATTEMPTS):
         record = store.get_adapter(name)  # with its locations
         table, servers = store.read_table(), store.healthy_servers()
         if record is None:
             return table, servers
         try:
-            new = ensure_adapter(table, record, servers, now)
+            new = ensure_adapter(table, record, servers, now, copies=spec.replicas.min)
         except NoServerError:
             return table, servers
         if new is None:
             return table, servers
-        new = apply_replica_bounds(new, {name: (spec.replicas.min, spec.replicas.max)}, servers)
         try:
             store.publish_table(new)
             return new, servers

@@ -3,7 +3,8 @@ say, and the events that the change from the previous status deserves.
 
 Phases: Pending (not registered, no pool, no server, or not placed yet), Loading (placed, but no
 assigned server holds the weights yet), Ready (at least one assigned server holds them), Failed
-(the spec cannot be served: bad source, rank above the pool's limit, weights that fail checks)."""
+(the spec cannot be served: bad source, rank above the pool's limit, weights that fail checks; or
+the placement found no healthy server able to hold the rank, which heals once one is placed)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ class AdapterView:
     servers: Sequence[ServerRecord]
     demand_tps: float | None = None
     demand_window_s: float = 0.0
+    unplaceable: bool = False  # the placement found no healthy server whose max rank holds it
+
+
+# The Failed reason the pool's placement sets and clears (every other Failed waits for a spec change).
+UNPLACEABLE = "RankExceedsServers"
+
+
+def beyond_every_server(rank: int, servers: Sequence[ServerRecord]) -> bool:
+    """The placement's test for an unplaceable adapter: healthy servers exist, none holds the rank."""
+    return bool(servers) and all(s.max_rank < rank for s in servers)
 
 
 def weights_text(placement: Sequence[PlacementEntry]) -> str:
@@ -47,6 +58,10 @@ def _phase(view: AdapterView, holders: set[str], assigned: list[str]) -> tuple[s
     if view.record is None:
         return "Pending", "NotRegistered", "the adapter is not in the pool's registry yet"
     if not assigned:
+        if view.unplaceable and view.servers:
+            top = max(s.max_rank for s in view.servers)
+            return "Failed", UNPLACEABLE, f"rank {view.record.rank} exceeds every server's maxLoraRank " \
+                                          f"(at most {top}); it is placed once a server can hold it"
         if not view.servers:
             return "Pending", "NoServers", f"pool {view.pool!r} has no ready server"
         return "Pending", "AwaitingPlacement", "waiting for the next placement"

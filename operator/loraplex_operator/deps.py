@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.engine.clock import Clock
-from loraplex.placement.controller import PlacementController
+from loraplex.placement.controller import ControllerReport, PlacementController
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
 from loraplex.routing import RoutingStore
@@ -19,6 +19,8 @@ from loraplex.spec.crd import AdapterPoolSpec, AdapterSource
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.inspect_source import AdapterFacts
 from loraplex_operator.kube import EventSink, KubeApi
+from loraplex_operator.pool_policy import PoolPolicy
+from loraplex_operator.replica_bounds import ReplicaBounds
 
 
 class Inspector(Protocol):
@@ -38,7 +40,8 @@ class Deps:
     # The `random` policy's source, seeded per pool so a restarted operator places the same way.
     make_random: Callable[[str], random.Random] = field(default=lambda pool: random.Random(pool))
     _stores: dict[str, RoutingStore] = field(default_factory=dict)
-    _controllers: dict[str, tuple[tuple[str, bool], PlacementController]] = field(default_factory=dict)
+    _controllers: dict[str, tuple[tuple[str, bool, float], PlacementController]] = field(default_factory=dict)
+    _bounds: dict[str, ReplicaBounds] = field(default_factory=dict)  # per pool, as its last tick saw them
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def store(self, pool: str) -> RoutingStore:
@@ -47,18 +50,29 @@ class Deps:
                 self._stores[pool] = self.store_factory(pool)
             return self._stores[pool]
 
+    def place(self, pool: str, spec: AdapterPoolSpec, bounds: ReplicaBounds) -> ControllerReport:
+        """Runs the pool's placement once with its LoRADeployments' replica bounds: one publish."""
+        with self._lock:
+            self._bounds[pool] = bounds
+        return self.controller(pool, spec).run_once()
+
+    def _pool_bounds(self, pool: str) -> ReplicaBounds:
+        with self._lock:
+            return self._bounds.get(pool, ReplicaBounds())
+
     def controller(self, pool: str, spec: AdapterPoolSpec) -> PlacementController:
         """One controller per pool (it remembers the versions it published); rebuilt when the
-        policy or the kind of server changes."""
-        key = (spec.placement.policy, spec.servers.gpus_per_server > 0)
+        policy, its hysteresis or the kind of server changes."""
+        key = (spec.placement.policy, spec.servers.gpus_per_server > 0, spec.placement.hysteresis)
         with self._lock:
             cached = self._controllers.get(pool)
             if cached is not None and cached[0] == key:
                 return cached[1]
-        policy = make_policy(spec.placement.policy, self.make_random(pool))
+        policy = make_policy(spec.placement.policy, self.make_random(pool), hysteresis=spec.placement.hysteresis)
+        pool_policy = PoolPolicy(policy, lambda: self._pool_bounds(pool).maximum)
         points = default_operating_points("gpu" if key[1] else "cpu")
-        controller = PlacementController(self.store(pool), policy, self.clock, spec.placement.interval_seconds,
-                                         points)
+        controller = PlacementController(self.store(pool), pool_policy, self.clock, spec.placement.interval_seconds,
+                                         points, min_replicas=lambda: self._pool_bounds(pool).minimum)
         with self._lock:
             self._controllers[pool] = (key, controller)
         return controller
@@ -71,3 +85,4 @@ class Deps:
                     close()
             self._stores.clear()
             self._controllers.clear()
+            self._bounds.clear()

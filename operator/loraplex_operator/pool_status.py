@@ -10,6 +10,7 @@ from loraplex.routing import RoutingTable, ServerRecord
 from loraplex.spec.crd import AdapterPoolStatus, ServerStatus
 from loraplex_operator import names
 from loraplex_operator.conditions import rfc3339, set_condition
+from loraplex_operator.scaling import short_of_capacity
 
 
 def parse_time(text: str | None) -> float | None:
@@ -33,6 +34,26 @@ class PoolView:
     servers: Sequence[ServerRecord]  # healthy (heartbeating) servers
     required_servers: int | None
     store_error: str = ""         # non-empty when the routing store could not be reached
+    overloaded: Sequence[str] = ()  # servers the last placement loaded beyond its balanced share
+    max_server_load: float | None = None  # the busiest server's forecast load (1.0: one server's capacity)
+    max_replicas: int | None = None  # the autoscaler's ceiling (None: autoscaling off)
+
+
+def shortfall_condition(view: PoolView) -> tuple[bool, str, str]:
+    """CapacityShortfall: (status, reason, message)."""
+    if not view.overloaded:
+        return False, "EnoughCapacity", ""
+    servers = ", ".join(view.overloaded)
+    load = view.max_server_load or 0.0
+    if not short_of_capacity(view.overloaded, view.max_server_load):
+        return False, "Unbalanced", (f"servers {servers} carry more than the balanced share (few servers can "
+                                     f"hold their ranks) but within capacity: busiest at {load:.2f}")
+    message = f"servers {servers} are overloaded (busiest at {load:.2f} of its capacity): too few servers " \
+              "can hold the ranks they serve"
+    if view.max_replicas is not None and (view.required_servers or 0) > view.max_replicas:
+        return True, "AtMaxReplicas", f"{message}; {view.required_servers} servers wanted, maxReplicas is " \
+                                      f"{view.max_replicas}"
+    return True, "ServersOverloaded", f"{message}; asking for more servers"
 
 
 def _servers(view: PoolView) -> list[ServerStatus]:
@@ -62,6 +83,7 @@ def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placeme
         set_condition(old, "Ready", phase == "Ready", reason, message, now, gen),
         set_condition(old, "StoreAvailable", not view.store_error, "StoreUnavailable" if view.store_error
                       else "Reachable", view.store_error, now, gen),
+        set_condition(old, "CapacityShortfall", *shortfall_condition(view), now, gen),
     ]
     return AdapterPoolStatus(
         phase=phase, replicas=view.replicas, ready_replicas=view.ready_replicas,
@@ -70,4 +92,5 @@ def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placeme
         required_servers=view.required_servers, adapters=len(view.table.entries) if view.table else 0,
         servers=_servers(view), last_placement_time=rfc3339(last_placement) if last_placement else None,
         below_since=rfc3339(below_since) if below_since is not None else None,
+        overloaded_servers=list(view.overloaded), max_server_load=view.max_server_load,
         observed_generation=gen, conditions=conditions)

@@ -6,6 +6,7 @@ again minutes later (each start loads the base model and refetches adapters)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -34,3 +35,19 @@ def decide_replicas(current: int, required: int | None, min_replicas: int, max_r
     if now - below_since >= delay:
         return ScaleDecision(target, None, "ScaleDown")
     return ScaleDecision(bounded, below_since, "Bounds" if bounded != current else "")
+
+
+def short_of_capacity(overloaded: Sequence[str], max_server_load: float | None) -> bool:
+    """The placement overloaded servers (the ones able to hold some rank are full) and the busiest
+    server is forecast above what one server sustains under the SLO. Overloaded servers below 1.0
+    are an imbalance that more servers of the same kind would not cure."""
+    return bool(overloaded) and (max_server_load or 0.0) > 1.0 + 1e-6
+
+
+def with_shortfall(required: int | None, short: bool, healthy_servers: int) -> int | None:
+    """The placement's estimate, raised to one server more than the healthy ones while the pool is
+    short of capacity: Σ load may fit in the servers while the ranks do not. Counting healthy
+    servers, not replicas, asks for no more while new ones still start."""
+    if not short:
+        return required
+    return max(required or 0, healthy_servers + 1)

@@ -1,9 +1,9 @@
 """Pure edits of a routing table between two placements.
 
-A new LoRADeployment must not wait a whole placement interval: it goes at once to one server that
-can hold it (one already holding a copy, else the healthy server with enough max rank and the fewest
-adapters), with φ = 1. A deleted one leaves the table at once. The periodic placement then spreads
-the traffic as the demand says."""
+A new LoRADeployment must not wait a whole placement interval: it goes at once to `replicas.min`
+servers that can hold it (those already holding a copy, else the healthy servers with enough max
+rank and the fewest adapters), with equal φ. A deleted one leaves the table at once. The periodic
+placement then spreads the traffic as the demand says."""
 
 from __future__ import annotations
 
@@ -23,23 +23,25 @@ def _next(table: RoutingTable | None, entries: dict, now: float) -> RoutingTable
     return replace(table, version=table.version + 1, created_at=now, entries=entries).validate()
 
 
-def pick_server(table: RoutingTable | None, record: AdapterRecord, servers: Sequence[ServerRecord]) -> str:
+def pick_servers(table: RoutingTable | None, record: AdapterRecord, servers: Sequence[ServerRecord],
+                 count: int = 1) -> list[str]:
+    """Up to `count` servers able to hold the rank: those holding a copy first (no fetch), then the
+    ones with the fewest adapters, then by id."""
     able = [s for s in servers if s.max_rank >= record.rank]
     if not able:
         raise NoServerError(f"no healthy server can hold rank {record.rank} "
                             f"({len(servers)} healthy, max rank {max((s.max_rank for s in servers), default=0)})")
-    holders = sorted(s.id for s in able if s.id in record.locations)
-    if holders:
-        return holders[0]
     counts = {s.id: len(table.assignments(s.id)) if table else 0 for s in able}
-    return min(counts, key=lambda server: (counts[server], server))
+    ranked = sorted(counts, key=lambda server: (server not in record.locations, counts[server], server))
+    return ranked[:count]
 
 
 def ensure_adapter(table: RoutingTable | None, record: AdapterRecord, servers: Sequence[ServerRecord],
-                   now: float) -> RoutingTable | None:
+                   now: float, copies: int = 1) -> RoutingTable | None:
     """The next table with `record` routable, or None when the current table already routes it with
-    the same digest and rank. A changed digest keeps the routes (the agents fetch the new weights)
-    unless a server on them can no longer hold the rank."""
+    the same digest and rank. A new adapter goes to `copies` servers (its `replicas.min`; fewer when
+    fewer can hold it) with equal φ. A changed digest keeps the routes (the agents fetch the new
+    weights) unless a server on them can no longer hold the rank."""
     current = table.entries.get(record.name) if table else None
     if current is not None and (current.digest, current.rank) == (record.digest, record.rank):
         return None
@@ -48,7 +50,7 @@ def ensure_adapter(table: RoutingTable | None, record: AdapterRecord, servers: S
                                    for r in current.routes):
         weights = [(r.server, r.weight) for r in current.routes]
     else:
-        weights = [(pick_server(table, record, servers), 1.0)]
+        weights = [(server, 1.0) for server in pick_servers(table, record, servers, copies)]
     entries = dict(table.entries) if table else {}
     entries[record.name] = make_entry(record.name, record.digest, record.rank, weights)
     return _next(table, entries, now)
@@ -60,29 +62,3 @@ def without_adapter(table: RoutingTable | None, name: str, now: float) -> Routin
         return None
     entries = {k: v for k, v in table.entries.items() if k != name}
     return _next(table, entries, now)
-
-
-def apply_replica_bounds(table: RoutingTable, bounds: dict[str, tuple[int, int | None]],
-                         servers: Sequence[ServerRecord]) -> RoutingTable:
-    """Honours each LoRADeployment's `replicas.min` / `replicas.max` on a placement's table (same
-    version). Too few servers: add the capable ones with the fewest adapters, each taking 1/min of the
-    traffic; too many: keep the heaviest `max` routes. φ is renormalised to sum to 1."""
-    entries = dict(table.entries)
-    counts = {s.id: len(table.assignments(s.id)) for s in servers}
-    for name, (low, high) in sorted(bounds.items()):
-        entry = entries.get(name)
-        if entry is None:
-            continue
-        weights = {r.server: r.weight for r in entry.routes}
-        if len(weights) < low:
-            spare = sorted((s.id for s in servers if s.max_rank >= entry.rank and s.id not in weights),
-                           key=lambda sid: (counts[sid], sid))
-            added = spare[:low - len(weights)]
-            scale = len(weights) / (len(weights) + len(added))
-            weights = {s: w * scale for s, w in weights.items()} | dict.fromkeys(added, 1.0 / (len(weights) + len(added)))
-            for sid in added:
-                counts[sid] += 1
-        if high is not None and len(weights) > high:
-            weights = dict(sorted(weights.items(), key=lambda kv: (-kv[1], kv[0]))[:high])
-        entries[name] = make_entry(name, entry.digest, entry.rank, weights.items())
-    return replace(table, entries=entries).validate()

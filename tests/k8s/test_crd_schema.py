@@ -104,6 +104,8 @@ BAD = [
     (POOL, "spec.baseModel.source", "s3://bucket/model", "source must start with one of file://, hf://"),
     (POOL, "spec.engine.maxLoraRank", 1024, "1024"),
     (POOL, "spec.placement.intervalSeconds", 1, "interval"),
+    (POOL, "spec.placement.hysteresis", 1.5, "hysteresis"),
+    (POOL, "spec.placement.hysteresis", -0.1, "hysteresis"),
     (POOL, "spec.servers.gpus", 1, "gpus"),  # unknown field (kubectl validates strictly)
     (POOL, "spec.baseModel.dtype", "int4", "int4"),
     (ADAPTER, "spec.adapter.source", "ftp://x/y", "source must start with one of file://, https://, s3://, hf://"),
@@ -137,3 +139,11 @@ def test_pool_is_immutable_on_update_only(api_server_errors) -> None:
 def test_parse_resource_refuses_other_kinds() -> None:
     with pytest.raises(ValueError, match="not a Loraplex resource"):
         parse_resource({"apiVersion": "v1", "kind": "ConfigMap"})
+
+
+def test_pool_hysteresis_defaults_to_the_placement_default(api_server_defaults) -> None:
+    from loraplex.placement import DEFAULT_HYSTERESIS
+
+    defaulted = api_server_defaults(copy.deepcopy(POOL))
+    assert defaulted["spec"]["placement"]["hysteresis"] == DEFAULT_HYSTERESIS
+    assert AdapterPool.model_validate(POOL).spec.placement.hysteresis == DEFAULT_HYSTERESIS

@@ -145,8 +145,8 @@ class World:
     def tick(self, pool: str) -> kopf.Patch:
         return self.call(handlers.pool_timer, "AdapterPool", pool, adapters_by_pool=self.index())
 
-    def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = ()) -> None:
-        record = ServerRecord(sid, f"http://{sid}:8000", 64, host_adapters=holds, heartbeat_at=self.clock.now())
+    def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = (), max_rank: int = 64) -> None:
+        record = ServerRecord(sid, f"http://{sid}:8000", max_rank, host_adapters=holds, heartbeat_at=self.clock.now())
         self._store(pool).register_server(record, ttl_s=30)
 
     def status(self, kind: str, name: str) -> dict[str, Any]:
@@ -295,3 +295,143 @@ def test_timer_with_the_store_down_marks_the_pool_degraded(world: World) -> None
 def test_generated_crds_match_what_handlers_watch() -> None:
     crds = {p.name for p in (Path(__file__).resolve().parents[2] / "crds").glob("*.yaml")}
     assert {f"{handlers.POOLS[2]}.yaml", f"{handlers.ADAPTERS[2]}.yaml"} == crds
+
+
+def _pool(world: World, **changes: Any) -> None:
+    """Recreates the pool `tiny` with `changes` ({"engine": {...}} merges into the section) and applies it."""
+    spec = copy.deepcopy(POOL_SPEC)
+    for section, values in changes.items():
+        spec[section] = {**spec.get(section, {}), **values}
+    world.create("AdapterPool", "tiny", spec, "pool-uid")
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+
+
+def _declared(world: World, name: str, rank: int, tps: float = 0.0, **replicas: int) -> None:
+    """A LoRADeployment whose digest and rank are declared (no download), registered at once."""
+    spec = {"pool": "tiny", "adapter": {"source": f"s3://b/{name}", "sha256": "e" * 64, "rank": rank},
+            "traffic": {"expectedTokensPerSecond": tps}, "replicas": {"min": 1, **replicas}}
+    world.create("LoRADeployment", name, spec, f"{name}-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", name)
+
+
+def _servers(table: Any, name: str) -> set[str]:
+    return {r.server for r in table.routes(name)}
+
+
+def test_replica_bounds_are_in_the_one_table_each_placement_publishes(world: World) -> None:
+    _pool(world, servers={"replicas": 3})
+    for i in range(3):
+        world.heartbeat("tiny", f"tiny-{i}")
+    _declared(world, "pinned", 16, min=2)
+    # 1000 tokens/s of rank 16 is 2.6 servers' worth: loraserve would spread it over all three.
+    _declared(world, "capped", 16, tps=1000, max=1)
+    store = world.stores["tiny"]
+    assert len(store.read_table().routes("pinned")) == 2  # replicas.min holds from the first route on
+    published: list[int] = []
+    store.watch_versions(published.append)
+
+    world.tick("tiny")
+    table = store.read_table()
+    assert published == [table.version]  # bounds and placement in a single version
+    assert len(_servers(table, "pinned")) == 2 and len(_servers(table, "capped")) == 1
+    assert world.status("LoRADeployment", "capped")["placement"][0]["weight"] == 1.0
+
+    world.clock.advance(30)
+    for i in range(3):
+        world.heartbeat("tiny", f"tiny-{i}")
+    world.tick("tiny")
+    assert published == [table.version]  # the next placement finds the bounded routes unchanged
+
+
+def test_adapter_no_server_can_hold_fails_then_recovers_when_placed(world: World) -> None:
+    _pool(world, engine={"maxLoraRank": 128})
+    world.heartbeat("tiny", "tiny-0", max_rank=64)  # e.g. servers still running an older engine setting
+    _declared(world, "big", 128)
+    status = world.status("LoRADeployment", "big")
+    assert (status["phase"], status["reason"]) == ("Failed", "RankExceedsServers")
+    assert status["message"].startswith("rank 128 exceeds every server's maxLoraRank (at most 64)")
+    assert [(e.type, e.reason) for n, e in world.events.posted if n == "big"] == [("Warning", "RankExceedsServers")]
+
+    world.tick("tiny")  # the placement reports it unplaceable: still Failed, no second event
+    assert world.status("LoRADeployment", "big")["reason"] == "RankExceedsServers"
+    world.clock.advance(5)
+    world.tick("tiny")  # between placements the placement's verdict stands
+    assert world.status("LoRADeployment", "big")["reason"] == "RankExceedsServers"
+    assert world.events.reasons("big") == ["RankExceedsServers"]
+
+    world.clock.advance(30)
+    world.heartbeat("tiny", "tiny-0", max_rank=128)
+    world.tick("tiny")
+    status = world.status("LoRADeployment", "big")
+    assert (status["phase"], status["weights"]) == ("Loading", "tiny-0=1.00")
+    assert world.events.reasons("big") == ["RankExceedsServers", "Fetching", "Placed"]
+
+
+def _shortfall(world: World) -> tuple[str, str, str]:
+    pool = world.status("AdapterPool", "tiny")
+    c = {c["type"]: c for c in pool["conditions"]}["CapacityShortfall"]
+    return c["status"], c["reason"], c["message"]
+
+
+def _mixed_ranks(world: World, servers: dict[str, int], tps: float) -> None:
+    """Servers of mixed max ranks; two rank-128 adapters at `tps` each and a light rank-8 one."""
+    for sid, rank in servers.items():
+        world.heartbeat("tiny", sid, max_rank=rank)
+    for name, rank, rate in (("b1", 128, tps), ("b2", 128, tps), ("s", 8, 40)):
+        if ("LoRADeployment", NS, name) not in world.kube.objects:
+            _declared(world, name, rank, rate)
+
+
+def test_overloaded_server_beyond_capacity_is_a_shortfall_and_scales_up(world: World) -> None:
+    _pool(world, engine={"maxLoraRank": 128}, servers={"replicas": 3, "maxReplicas": 4})
+    world.kube.objects[("StatefulSet", NS, "tiny")]["status"] = {"readyReplicas": 3}
+    # 1.7 servers of load in all (3 would do), but 1.6 of it rank 128 that only tiny-0 can hold.
+    _mixed_ranks(world, {"tiny-0": 128, "tiny-1": 8, "tiny-2": 8}, tps=200)
+
+    patch = world.tick("tiny")
+    status, reason, message = _shortfall(world)
+    assert (status, reason) == ("True", "ServersOverloaded") and "servers tiny-0 are overloaded" in message
+    pool = world.status("AdapterPool", "tiny")
+    assert pool["overloadedServers"] == ["tiny-0"] and pool["maxServerLoad"] == pytest.approx(1.6)
+    assert pool["requiredServers"] == 4 and dict(patch)["spec"] == {"servers": {"replicas": 4}}
+    assert {"ScaleUp", "CapacityShortfall"} <= set(world.events.reasons("tiny"))
+
+    # Between placements the shortfall is not counted again: no climb past what was asked.
+    world.clock.advance(5)
+    assert "spec" not in dict(world.tick("tiny"))
+    assert world.status("AdapterPool", "tiny")["replicas"] == 4 and _shortfall(world)[0] == "True"
+
+    # A fourth server able to hold rank 128 takes half of it: above the balanced share, within capacity.
+    world.clock.advance(30)
+    _mixed_ranks(world, {"tiny-0": 128, "tiny-1": 8, "tiny-2": 8, "tiny-3": 128}, tps=200)
+    world.tick("tiny")
+    assert _shortfall(world)[:2] == ("False", "Unbalanced")
+    assert world.status("AdapterPool", "tiny")["requiredServers"] == 2
+    assert world.events.reasons("tiny").count("CapacityShortfall") == 1
+
+
+def test_overloaded_server_within_capacity_does_not_scale(world: World) -> None:
+    _pool(world, engine={"maxLoraRank": 128}, servers={"replicas": 3, "maxReplicas": 4})
+    _mixed_ranks(world, {"tiny-0": 128, "tiny-1": 8, "tiny-2": 8}, tps=100)  # 0.8 on tiny-0
+    patch = world.tick("tiny")
+    status, reason, message = _shortfall(world)
+    assert (status, reason) == ("False", "Unbalanced") and "tiny-0" in message and "0.80" in message
+    assert "spec" not in dict(patch) and world.status("AdapterPool", "tiny")["requiredServers"] == 1
+
+
+def test_shortfall_at_max_replicas_says_so(world: World) -> None:
+    _pool(world, engine={"maxLoraRank": 128}, servers={"replicas": 3, "maxReplicas": 3})
+    _mixed_ranks(world, {"tiny-0": 128, "tiny-1": 8, "tiny-2": 8}, tps=200)
+    patch = world.tick("tiny")
+    status, reason, message = _shortfall(world)
+    assert (status, reason) == ("True", "AtMaxReplicas") and "maxReplicas is 3" in message
+    assert "spec" not in dict(patch)
+
+
+def test_pool_hysteresis_reaches_the_policy(world: World) -> None:
+    from loraplex.spec.crd import AdapterPoolSpec
+
+    spec = AdapterPoolSpec.model_validate(POOL_SPEC)
+    assert world.deps.controller("tiny", spec).policy.inner.hysteresis == pytest.approx(0.1)
+    sticky_off = AdapterPoolSpec.model_validate({**POOL_SPEC, "placement": {"hysteresis": 0}})
+    assert world.deps.controller("tiny", sticky_off).policy.inner.hysteresis == 0

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loraplex_operator.adapter_status import AdapterView, adapter_status, blocked_status
-from loraplex_operator.pool_status import PoolView, placement_due, pool_status
+from loraplex_operator.adapter_status import AdapterView, adapter_status, beyond_every_server, blocked_status
+from loraplex_operator.pool_status import PoolView, placement_due, pool_status, shortfall_condition
 
 from loraplex.routing import AdapterRecord, RoutingTable, ServerRecord, make_entry
 
@@ -12,8 +12,8 @@ RECORD = AdapterRecord("sql", D, 16, 1000, "hf://o/sql")
 TABLE = RoutingTable(3, 0.0, {"sql": make_entry("sql", D, 16, [("p-0", 0.6), ("p-1", 0.4)])}).validate()
 
 
-def _server(sid: str, host: tuple[str, ...] = ()) -> ServerRecord:
-    return ServerRecord(sid, f"http://{sid}:8000", 64, host_adapters=host)
+def _server(sid: str, host: tuple[str, ...] = (), max_rank: int = 64) -> ServerRecord:
+    return ServerRecord(sid, f"http://{sid}:8000", max_rank, host_adapters=host)
 
 
 def _view(**kw) -> AdapterView:
@@ -59,6 +59,41 @@ def test_events_only_on_transitions_and_transition_times_kept() -> None:
 def test_failed_is_a_warning() -> None:
     status, events = blocked_status("Failed", "RankTooLarge", "rank 128 exceeds 64", 1, None, 0)
     assert status.phase == "Failed" and events[0].type == "Warning" and events[0].reason == "RankTooLarge"
+
+
+def test_unplaceable_adapter_fails_with_the_ranks_and_recovers_when_placed() -> None:
+    small = [_server("p-0", max_rank=8), _server("p-1", max_rank=8)]
+    failed, events = adapter_status(_view(table=None, servers=small, unplaceable=True), None, now=0)
+    assert (failed.phase, failed.reason) == ("Failed", "RankExceedsServers")
+    assert failed.message.startswith("rank 16 exceeds every server's maxLoraRank (at most 8)")
+    assert [(e.type, e.reason) for e in events] == [("Warning", "RankExceedsServers")]
+    placed, events = adapter_status(_view(unplaceable=False), failed, now=60)
+    assert placed.phase == "Loading" and [e.reason for e in events] == ["Fetching", "Placed"]
+    # Without servers the adapter waits for them rather than failing.
+    assert adapter_status(_view(table=None, servers=[], unplaceable=True), None, 0)[0].reason == "NoServers"
+
+
+def test_beyond_every_server() -> None:
+    assert beyond_every_server(16, [_server("a", max_rank=8)])
+    assert not beyond_every_server(16, [_server("a", max_rank=8), _server("b", max_rank=16)])
+    assert not beyond_every_server(16, [])
+
+
+def test_capacity_shortfall_condition() -> None:
+    def view(overloaded: tuple[str, ...], load: float | None, required: int = 4, max_replicas: int | None = 4
+             ) -> PoolView:
+        return PoolView("p", 1, 3, 3, TABLE, [], required, "", overloaded, load, max_replicas)
+
+    assert shortfall_condition(view((), None)) == (False, "EnoughCapacity", "")
+    ok, reason, message = shortfall_condition(view(("p-0",), 0.8))
+    assert (ok, reason) == (False, "Unbalanced") and "busiest at 0.80" in message
+    ok, reason, message = shortfall_condition(view(("p-0", "p-2"), 1.6))
+    assert (ok, reason) == (True, "ServersOverloaded") and message.startswith("servers p-0, p-2 are overloaded")
+    assert shortfall_condition(view(("p-0",), 1.6, required=5))[1] == "AtMaxReplicas"
+    assert shortfall_condition(view(("p-0",), 1.6, required=5, max_replicas=None))[1] == "ServersOverloaded"
+    status = pool_status(view(("p-0",), 1.6), None, 0.0, None, 1.0)
+    assert status.overloaded_servers == ["p-0"] and status.max_server_load == 1.6
+    assert {c.type: c.status for c in status.conditions}["CapacityShortfall"] == "True"
 
 
 def test_pool_status() -> None:

@@ -1,9 +1,9 @@
-"""Routing-table edits between placements: a new adapter at once, a deleted one gone, replica bounds."""
+"""Routing-table edits between placements: a new adapter at once (on replicas.min servers), a deleted one gone."""
 
 from __future__ import annotations
 
 import pytest
-from loraplex_operator.table_edits import NoServerError, apply_replica_bounds, ensure_adapter, without_adapter
+from loraplex_operator.table_edits import NoServerError, ensure_adapter, without_adapter
 
 from loraplex.routing import AdapterRecord, RoutingTable, ServerRecord, make_entry
 
@@ -61,11 +61,11 @@ def test_without_adapter() -> None:
     assert without_adapter(new, "a", 3.0) is None and without_adapter(None, "a", 3.0) is None
 
 
-def test_replica_bounds_add_and_trim_servers() -> None:
-    table = _table(a={"p-0": 1.0}, b={"p-0": 0.5, "p-1": 0.3, "p-2": 0.2})
-    bounded = apply_replica_bounds(table, {"a": (2, None), "b": (1, 2)}, SERVERS)
-    a = {r.server: r.weight for r in bounded.routes("a")}
-    assert a == pytest.approx({"p-0": 0.5, "p-1": 0.5})
-    b = {r.server: r.weight for r in bounded.routes("b")}
-    assert b == pytest.approx({"p-0": 0.625, "p-1": 0.375})
-    assert bounded.version == table.version
+def test_new_adapter_goes_to_min_copies_of_capable_servers() -> None:
+    table = _table(a={"p-0": 1.0}, b={"p-0": 0.5, "p-1": 0.5})
+    new = ensure_adapter(table, _record("x", locations=frozenset({"p-0"})), SERVERS + [_server("p-3")], 1.0,
+                         copies=2)
+    # p-0 holds a copy (no fetch); then p-3, with fewer adapters than p-1; p-2 cannot hold rank 16.
+    assert {r.server: r.weight for r in new.routes("x")} == pytest.approx({"p-0": 0.5, "p-3": 0.5})
+    few = ensure_adapter(None, _record("y"), SERVERS, 1.0, copies=3)
+    assert sorted(r.server for r in few.routes("y")) == ["p-0", "p-1"]  # only two can hold rank 16
