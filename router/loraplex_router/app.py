@@ -1,0 +1,147 @@
+"""The router's OpenAI-compatible HTTP API: the FastAPI app and its request handling."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loraplex.routing.pipeline import Profile
+from loraplex.routing.store import RoutingStore
+from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError, OverloadedError
+from loraplex_router.auth import KeyRing
+from loraplex_router.demand import DemandCounter
+from loraplex_router.errors import error_response
+from loraplex_router.metrics import RouterMetrics
+from loraplex_router.proxy import Forward, Proxy, prepare_body
+from loraplex_router.snapshot import Snapshot
+from loraplex_router.table_cache import TableCache
+
+
+@dataclass
+class RouterSettings:
+    profile: Profile
+    keys: KeyRing
+    base_model: str | None = None
+    poll_interval_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    max_attempts: int = 3
+    cooldown_s: float = 5.0
+
+
+def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
+    metrics = RouterMetrics()
+    demand = DemandCounter()
+    cache = TableCache(store, metrics, demand, settings.base_model, settings.poll_interval_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            app.state.proxy = Proxy(client, settings.profile, metrics, demand, settings.max_attempts,
+                                    settings.cooldown_s)
+            cache.start()
+            try:
+                yield
+            finally:
+                cache.stop()
+
+    app = FastAPI(title="loraplex router", lifespan=lifespan)
+    app.state.cache = cache
+    app.state.metrics = metrics
+
+    async def completions(request: Request) -> Response:
+        return await _handle(request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(request, "/v1/chat/completions")
+
+    async def _handle(request: Request, path: str) -> Response:
+        model = ""
+        try:
+            key = settings.keys.authenticate(request.headers.get("authorization"))
+            raw = await request.body()
+            body = _parse_body(raw)
+            model = body["model"]
+            snapshot = _ready(cache.snapshot)
+            adapter = _resolve(snapshot, model)
+            settings.keys.check(key, adapter, model)
+            payload, stream, wants_usage = prepare_body(body, raw)
+            fwd = Forward(path, payload, model, adapter, stream, wants_usage, time.monotonic())
+            return await request.app.state.proxy.forward(snapshot, fwd)
+        except LoraplexError as exc:
+            metrics.requests.labels(model, str(exc.status)).inc()
+            return error_response(exc)
+
+    async def models(request: Request) -> Response:
+        try:
+            key = settings.keys.authenticate(request.headers.get("authorization"))
+        except LoraplexError as exc:
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": _model_cards(cache.snapshot, key)})
+
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "routing_version": cache.snapshot.version})
+
+    async def ready() -> Response:
+        ok = cache.snapshot.taken_at > 0 and bool(cache.snapshot.servers)
+        return JSONResponse({"ready": ok, "servers": len(cache.snapshot.servers)}, status_code=200 if ok else 503)
+
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/metrics", prometheus, methods=["GET"])
+    return app
+
+
+def _parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise InvalidRequestError("'model' is required: an adapter name or the base model", param="model")
+    return body
+
+
+def _ready(snapshot: Snapshot) -> Snapshot:
+    if snapshot.taken_at <= 0:
+        raise OverloadedError("the router has not read the routing table yet", code="not_ready")
+    return snapshot
+
+
+def _resolve(snapshot: Snapshot, model: str) -> str | None:
+    """The adapter a model name means, or None for the base model."""
+    if snapshot.knows(model):
+        return model
+    if model == snapshot.base_model:
+        return None
+    raise NotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def _model_cards(snapshot: Snapshot, key) -> list[dict]:
+    created = int(snapshot.table.created_at) if snapshot.table else 0
+    cards = []
+    if snapshot.base_model and (key is None or key.allows(None)):
+        cards.append({"id": snapshot.base_model, "object": "model", "created": created, "owned_by": "loraplex",
+                      "root": snapshot.base_model, "parent": None})
+    for name in snapshot.adapter_names():
+        if key is None or key.allows(name):
+            record = snapshot.adapters.get(name)
+            cards.append({"id": name, "object": "model", "created": created, "owned_by": "loraplex",
+                          "root": record.source if record else name, "parent": snapshot.base_model})
+    return cards

@@ -1,0 +1,324 @@
+"""`loraplex up`: the whole system on one machine, started with one command.
+
+    redis-server          the routing store (or --redis-url to use a running one)
+    N × loraplex agent    on the tiny model (made in ./models/tiny if missing), each joined to the pool
+    placement controller  in this process: applies the manifests, then places every interval and
+                          whenever servers or adapters change
+    loraplex router       the OpenAI-compatible endpoint, http://127.0.0.1:8080/v1
+
+The -f folder holds AdapterPool / LoRADeployment YAML (the files `kubectl apply -f` takes). It is
+watched: a new, changed or deleted file is applied within a second, without restarting anything.
+If the store loses its state (Redis restarted), the manifests are applied again at the next tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import shutil
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplex.cli import CommandError
+from loraplex.placement.controller import PlacementController, WallClock
+from loraplex.placement.operating_points import default_operating_points
+from loraplex.placement.policy import make_policy
+from loraplex.routing.records import AdapterRecord
+from loraplex.routing.redis_store import RedisRoutingStore
+from loraplex.routing.store import StoreUnavailableError
+from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment
+from loraplex_router.manifests import (
+    ManifestError,
+    Manifests,
+    adapter_record,
+    folder_fingerprint,
+    read_folder,
+)
+from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
+
+log = logging.getLogger("loraplex.up")
+DEFAULT_MODEL_DIR = Path("models/tiny")
+
+
+@dataclass
+class StackConfig:
+    agents: int = 3
+    manifests: Path | None = None
+    model: Path | None = None            # the base model folder; default: the tiny model
+    pool: str | None = None
+    router_port: int = 8080
+    agent_base_port: int = 8100
+    redis_port: int = 6390
+    redis_url: str | None = None         # use a running Redis instead of starting one
+    placement: str | None = None
+    placement_interval_s: float | None = None
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 6.0
+    workdir: Path = Path(".loraplex")
+    agent_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 180.0
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.logs = config.workdir / "logs"
+        self.manifests = self._read_manifests()
+        self.pool = config.pool or (self.manifests.pool.metadata["name"] if self.manifests.pool else "local")
+        self.redis: Child | None = None
+        self.redis_url = config.redis_url or f"redis://127.0.0.1:{config.redis_port}/0"
+        self.agents: dict[str, Child] = {}
+        self.router: Child | None = None
+        self.store: RedisRoutingStore | None = None
+        self.controller: PlacementController | None = None
+        self.desired: dict[str, AdapterRecord] = {}
+        self._records: dict[str, tuple[tuple[str, str], AdapterRecord]] = {}
+        self._fingerprint: tuple | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._reported_dead: set[str] = set()
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.router_port}"
+
+    def agent_url(self, server_id: str) -> str:
+        return f"http://127.0.0.1:{self.config.agent_base_port + list(self.agents).index(server_id)}"
+
+    # ---- start / stop -----------------------------------------------------------------------
+
+    def start(self) -> LocalStack:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        self.config.workdir.mkdir(parents=True, exist_ok=True)
+        model = self._base_model()
+        if self.config.redis_url is None:
+            self.start_redis()
+        self.store = RedisRoutingStore.from_url(self.redis_url, self.pool)
+        if self.config.manifests is None:
+            self.manifests = default_manifests(model.parent / "adapters", self.pool)
+        self.apply_manifests()
+        for i in range(self.config.agents):
+            server_id = f"{self.pool}-{i}"
+            self.agents[server_id] = Child(server_id, self._agent_argv(model, server_id, i), self.logs).start()
+        for server_id, child in self.agents.items():
+            wait_http(self.agent_url(server_id) + "/health", child, self.config.startup_timeout_s)
+        self.controller = self._controller()
+        self.tick()
+        self.router = Child("router", self._router_argv(), self.logs).start()
+        wait_http(self.router_url + "/ready", self.router, self.config.startup_timeout_s)
+
+    def start_background(self) -> None:
+        """Run tick() every second in a thread (tests, and run())."""
+        self._thread = threading.Thread(target=self._loop, name="loraplex-up", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for child in [self.router, *self.agents.values()]:
+            if child is not None:
+                child.stop()
+        if self.store is not None:
+            self.store.close()
+        if self.redis is not None:
+            self.redis.stop()
+
+    def check_children(self) -> None:
+        """Report children that exited (they are not restarted: a local stack is for trying things)."""
+        for child in [self.router, *self.agents.values(), self.redis]:
+            if child is not None and not child.alive and child.name not in self._reported_dead:
+                self._reported_dead.add(child.name)
+                log.error("%s exited with status %s; its log: %s", child.name, child.process.returncode,
+                          child.log_path)
+
+    def start_redis(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise CommandError("redis-server is not installed (apt-get install redis-server), or pass "
+                               "--redis-url of a running Redis")
+        argv = [binary, "--port", str(self.config.redis_port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.config.workdir)]
+        self.redis = Child("redis", argv, self.logs).start()
+        wait_port(self.config.redis_port, self.redis, 20)
+
+    # ---- the control loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self.tick()
+            except StoreUnavailableError as exc:
+                log.warning("store unavailable: %s", exc)
+            except Exception:  # keep the stack up; the next tick retries
+                log.exception("local stack tick failed")
+
+    def tick(self) -> None:
+        """Apply changed manifests (or all of them again if the store lost them), then place."""
+        if self.config.manifests is not None and folder_fingerprint(self.config.manifests) != self._fingerprint:
+            try:
+                self.manifests = self._read_manifests()
+            except ManifestError as exc:
+                log.error("not applied: %s", exc)
+        self.apply_manifests()
+        self.controller.step()
+
+    def apply_manifests(self) -> None:
+        desired = {}
+        for name, (deployment, path) in self.manifests.deployments.items():
+            if deployment.spec.pool != self.pool:
+                log.warning("%s: LoRADeployment %s is for pool %r, not %r; skipped", path, name,
+                            deployment.spec.pool, self.pool)
+                continue
+            try:
+                desired[name] = self._record(name, deployment, path)
+            except ManifestError as exc:
+                log.error("not applied: %s", exc)
+        stored = {a.name: a for a in self.store.adapters()}
+        for name, record in desired.items():
+            if name not in stored or stored[name].digest != record.digest or stored[name].source != record.source:
+                self.store.put_adapter(record)
+                log.info("applied LoRADeployment %s (%s, rank %d)", name, record.digest[:19], record.rank)
+        for name in set(self.desired) - set(desired):
+            self.store.remove_adapter(name)
+            log.info("removed LoRADeployment %s", name)
+        self.desired = desired
+
+    def _record(self, name: str, deployment, path: Path) -> AdapterRecord:
+        """The deployment's record, hashed again only when its manifest changed."""
+        key = (str(path), deployment.model_dump_json())
+        cached = self._records.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, adapter_record(deployment, path))
+            self._records[name] = cached
+        return cached[1]
+
+    def _read_manifests(self) -> Manifests:
+        folder = self.config.manifests
+        if folder is None:
+            return Manifests()
+        manifests = read_folder(folder)
+        self._fingerprint = folder_fingerprint(folder)
+        return manifests
+
+    # ---- configuration ----------------------------------------------------------------------
+
+    def _pool_spec(self) -> AdapterPool | None:
+        return self.manifests.pool
+
+    def _base_model(self) -> Path:
+        if self.config.model is not None:
+            return self.config.model / "base" if (self.config.model / "base").is_dir() else self.config.model
+        pool = self._pool_spec()
+        if pool and pool.spec.base_model.source.startswith("file://"):
+            source = pool.spec.base_model.source.removeprefix("file://")
+            return Path(source) if source.startswith("/") else (self.config.manifests / source).resolve()
+        return ensure_tiny_model(DEFAULT_MODEL_DIR, self.logs) / "base"
+
+    def _agent_argv(self, model: Path, server_id: str, index: int) -> list[str]:
+        port = self.config.agent_base_port + index
+        argv = [*LORAPLEX, "agent", "--model", str(model), "--port", str(port), "--device", "cpu",
+                "--redis-url", self.redis_url, "--pool", self.pool, "--server-id", server_id,
+                "--advertise-url", f"http://127.0.0.1:{port}",
+                "--adapter-store", str(self.config.workdir / "adapters" / server_id),
+                "--heartbeat-interval", str(self.config.heartbeat_interval_s),
+                "--heartbeat-ttl", str(self.config.heartbeat_ttl_s)]
+        pool = self._pool_spec()
+        if pool is not None:
+            engine = pool.spec.engine
+            argv += ["--served-model-name", pool.spec.base_model.name,
+                     "--max-lora-rank", str(engine.max_lora_rank), "--max-loras", str(engine.max_loras),
+                     "--max-num-seqs", str(engine.max_num_seqs),
+                     "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+                     "--block-size", str(engine.block_size), "--scheduler", engine.scheduler]
+            if engine.max_model_len:
+                argv += ["--max-model-len", str(engine.max_model_len)]
+            argv += engine.extra_args
+        return argv + self.config.agent_args
+
+    def _router_argv(self) -> list[str]:
+        return [*LORAPLEX, "router", "--redis-url", self.redis_url, "--pool", self.pool,
+                "--port", str(self.config.router_port), "--poll-interval", "0.5", *self.config.router_args]
+
+    def _controller(self) -> PlacementController:
+        pool = self._pool_spec()
+        policy = self.config.placement or (pool.spec.placement.policy if pool else "loraserve")
+        interval = self.config.placement_interval_s or (pool.spec.placement.interval_seconds if pool else 10.0)
+        try:
+            chosen = make_policy(policy, random.Random(0))
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        return PlacementController(self.store, chosen, WallClock(), interval, default_operating_points("cpu"))
+
+
+def default_manifests(adapters: Path, pool: str) -> Manifests:
+    """Without -f: one LoRADeployment per adapter folder next to the base model (the tiny model's)."""
+    found = Manifests()
+    folders = sorted(p for p in adapters.iterdir() if (p / "adapter_config.json").is_file()) if adapters.is_dir() else []
+    for folder in folders:
+        doc = {"apiVersion": API_VERSION, "kind": "LoRADeployment", "metadata": {"name": folder.name},
+               "spec": {"pool": pool, "adapter": {"source": f"file://{folder.resolve()}"}}}
+        found.deployments[folder.name] = (LoRADeployment.model_validate(doc), folder / "adapter_config.json")
+    return found
+
+
+def ensure_tiny_model(folder: Path, logs: Path) -> Path:
+    """The tiny model in `folder`, made with `loraplex make-tiny-model` if it is not there yet."""
+    if (folder / "base" / "config.json").is_file():
+        return folder
+    log.info("making the tiny model in %s", folder)
+    child = Child("make-tiny-model", [*LORAPLEX, "make-tiny-model", str(folder)], logs).start()
+    if child.process.wait() != 0:
+        raise CommandError(f"loraplex make-tiny-model failed:\n{child.tail()}")
+    return folder
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    if args.agents < 1:
+        raise CommandError("--agents must be at least 1")
+    manifests = Path(args.manifests) if args.manifests else None
+    if manifests is not None and not manifests.is_dir():
+        raise CommandError(f"-f {args.manifests}: not a folder")
+    router_args = ["--profile", args.profile]
+    if args.scorers:
+        router_args += ["--scorers", args.scorers]
+    if args.picker:
+        router_args += ["--picker", args.picker]
+    return StackConfig(agents=args.agents, manifests=manifests, model=Path(args.model) if args.model else None,
+                       pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
+                       redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
+                       placement_interval_s=args.placement_interval, heartbeat_ttl_s=args.heartbeat_ttl,
+                       workdir=Path(args.workdir), agent_args=list(args.agent_arg), router_args=router_args)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        stack = LocalStack(config_from_args(args)).start()
+    except (ManifestError, RuntimeError) as exc:
+        raise CommandError(str(exc)) from exc
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stopping.set())
+    try:
+        stack.start_background()
+        print(f"loraplex is up: pool {stack.pool}, {len(stack.agents)} agents, OpenAI endpoint "
+              f"{stack.router_url}/v1 (logs in {stack.logs}); Ctrl-C stops everything", flush=True)
+        while not stopping.wait(1.0):
+            stack.check_children()
+    finally:
+        log.info("stopping the router, the agents and Redis")
+        stack.stop()
+    return 0

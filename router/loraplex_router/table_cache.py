@@ -1,0 +1,124 @@
+"""Keeps the router's snapshot of the pool fresh, in a background thread.
+
+The routing table is re-read when a new version is announced on pub/sub or seen by polling (a lost
+announcement only delays the swap by one poll). Live servers are re-read every poll, because
+heartbeats expire silently. Every store error is swallowed after counting it: the router goes on
+routing with its last snapshot until the store is back. The store is synchronous, so all of this
+runs off the event loop and a hanging Redis never stalls a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
+from loraplex_router.demand import DemandCounter
+from loraplex_router.metrics import RouterMetrics
+from loraplex_router.snapshot import Snapshot
+
+log = logging.getLogger("loraplex.router")
+
+
+class TableCache:
+    def __init__(self, store: RoutingStore, metrics: RouterMetrics, demand: DemandCounter,
+                 base_model: str | None = None, poll_interval_s: float = 1.0,
+                 adapters_every_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.demand = demand
+        self.base_model = base_model
+        self.poll_interval_s = poll_interval_s
+        self.adapters_every_s = adapters_every_s
+        self.clock = clock
+        self.snapshot = Snapshot(None, {}, {}, base_model, taken_at=0.0)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._subscription: Subscription | None = None
+        self._adapters_read_at = 0.0
+        self._thread = threading.Thread(target=self._run, name="loraplex-table-cache", daemon=True)
+
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._close_subscription()
+        self._flush_demand()
+
+    def refresh(self) -> bool:
+        """Reads the store once; True when the snapshot is now current."""
+        try:
+            self._ensure_subscription()
+            self.snapshot = self._read(self.snapshot)
+        except StoreUnavailableError as exc:
+            self._store_failed(exc)
+            return False
+        self.metrics.table_version.set(self.snapshot.version)
+        self.metrics.servers.set(len(self.snapshot.servers))
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self.refresh()
+            self._flush_demand()
+            self.metrics.snapshot_age.set(max(0.0, self.clock() - self.snapshot.taken_at))
+
+    def _read(self, old: Snapshot) -> Snapshot:
+        now = self.clock()
+        version = self.store.current_version()
+        if version is None and old.table is not None:
+            # The store lost its state (Redis restarted): its registries are refilling. Keep routing
+            # on the whole last snapshot until a table is published again.
+            return replace(old, taken_at=now)
+        table = old.table
+        if version is not None and version != old.version:
+            table = self.store.read_table(version) or old.table
+        adapters = old.adapters
+        if table is not old.table or now - self._adapters_read_at >= self.adapters_every_s:
+            adapters = {a.name: a for a in self.store.adapters()}
+            self._adapters_read_at = now
+        servers = {s.id: s for s in self.store.healthy_servers()}
+        base = self.base_model or _base_model_of(servers.values()) or old.base_model
+        return Snapshot(table, servers, adapters, base, taken_at=now)
+
+    def _ensure_subscription(self) -> None:
+        if self._subscription is None:
+            self._subscription = self.store.watch_versions(lambda version: self._wake.set())
+
+    def _close_subscription(self) -> None:
+        if self._subscription is not None:
+            try:
+                self._subscription.close()
+            except Exception:  # closing a broken connection must not stop the router
+                log.debug("closing the version subscription failed", exc_info=True)
+            self._subscription = None
+
+    def _store_failed(self, exc: Exception) -> None:
+        self.metrics.store_errors.inc()
+        log.warning("routing store unavailable, serving from the last snapshot (version %s): %s",
+                    self.snapshot.version, exc)
+        # The subscription may be dead (e.g. Redis restarted); subscribe again once the store is back.
+        self._close_subscription()
+
+    def _flush_demand(self) -> None:
+        try:
+            self.demand.flush(lambda tokens: self.store.add_demand(tokens, self.clock()))
+        except StoreUnavailableError as exc:
+            self.metrics.store_errors.inc()
+            log.debug("demand flush failed, keeping the counts: %s", exc)
+
+
+def _base_model_of(servers) -> str | None:
+    names = sorted({s.base_model for s in servers if s.base_model})
+    return names[0] if names else None

@@ -1,0 +1,145 @@
+"""End to end through `loraplex up`: a real redis-server, 3 real agents on the tiny model, the placement
+controller and the router, driven with the real openai client.
+
+The tests share one stack and run in file order; the last one kills an agent."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+
+ADAPTERS = [f"ad{i:02d}" for i in range(20)]
+
+
+def wait_until(condition, timeout_s: float = 60.0, interval_s: float = 0.1) -> float:
+    """Seconds it took; fails if `condition()` is not true within the (generous) bound."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)
+    return time.monotonic() - start
+
+
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.router_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def complete(c: openai.OpenAI, model: str) -> str:
+    return c.completions.create(model=model, prompt="def add(a, b):", max_tokens=3, temperature=0).choices[0].text
+
+
+def stream_chat(c: openai.OpenAI, model: str, started: list[bool] | None = None) -> str:
+    chunks = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                       max_tokens=3, stream=True)
+    text = ""
+    for chunk in chunks:
+        if started is not None:
+            started[0] = True
+        text += chunk.choices[0].delta.content or ""
+    return text
+
+
+def test_twenty_adapters_over_three_agents(stack):
+    c = client(stack)
+    listed = {m.id for m in c.models.list()}
+    assert set(ADAPTERS) <= listed and "tiny-llama" in listed
+    with ThreadPoolExecutor(6) as pool:
+        plain = list(pool.map(lambda a: complete(c, a), ADAPTERS))
+        streamed = list(pool.map(lambda a: stream_chat(c, a), ADAPTERS))
+    assert all(isinstance(t, str) and t for t in plain)
+    assert all(t for t in streamed)
+    table = stack.store.read_table()
+    assert set(table.entries) >= set(ADAPTERS)
+    assert len(table.servers()) == 3  # the placement spread the adapters over every agent
+    assert complete(c, "tiny-llama")
+
+
+def test_a_new_deployment_file_becomes_routable(stack, write_deployment):
+    c = client(stack)
+    write_deployment("late-arrival")
+    wait_until(lambda: "late-arrival" in {m.id for m in c.models.list()})
+    assert complete(c, "late-arrival")
+    assert stream_chat(c, "late-arrival")
+
+
+@dataclass
+class Load:
+    """Clients sending requests through the router until stopped; every outcome is recorded."""
+
+    stack: object
+    workers: int = 4
+    ok: int = 0
+    failures: list[tuple[str, bool, str]] = field(default_factory=list)  # (adapter, had started, error)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __enter__(self) -> Load:
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def _run(self, worker: int) -> None:
+        c = client(self.stack)
+        i = worker
+        while not self._stop.is_set():
+            adapter, streaming, started = ADAPTERS[i % len(ADAPTERS)], i % 2 == 0, [False]
+            i += self.workers
+            try:
+                if streaming:
+                    stream_chat(c, adapter, started)
+                else:
+                    complete(c, adapter)
+                with self._lock:
+                    self.ok += 1
+            except openai.OpenAIError as exc:
+                with self._lock:
+                    self.failures.append((adapter, started[0], repr(exc)))
+
+
+def test_a_redis_restart_fails_no_request(stack):
+    version = stack.store.current_version()
+    with Load(stack) as load:
+        wait_until(lambda: load.ok >= 8)
+        stack.redis.kill()
+        done_before = load.ok
+        wait_until(lambda: load.ok >= done_before + 8)  # served from the router's last snapshot
+        stack.start_redis()  # empty: no table, no registry, no adapters
+        wait_until(lambda: stack.store.current_version() not in (None, version), timeout_s=90)
+        wait_until(lambda: len(stack.store.healthy_servers()) == 3)
+        done_after = load.ok
+        wait_until(lambda: load.ok >= done_after + 8)
+    assert load.failures == []
+    assert set(stack.store.read_table().entries) >= set(ADAPTERS)
+
+
+def test_killing_an_agent_mid_load_loses_no_unstarted_request(stack):
+    table = stack.store.read_table()
+    victim = max(table.servers(), key=lambda s: len(table.assignments(s)))  # the busiest server
+    with Load(stack, workers=6) as load:
+        wait_until(lambda: load.ok >= 12)
+        stack.agents[victim].kill()
+        killed_at = time.monotonic()
+        gone_after = wait_until(lambda: victim not in {s.id for s in stack.store.healthy_servers()})
+        wait_until(lambda: victim not in stack.store.read_table().servers())
+        replaced_after = time.monotonic() - killed_at
+        done = load.ok
+        wait_until(lambda: load.ok >= done + 12)
+    print(f"\ndead server left the registry {gone_after:.1f} s and the table {replaced_after:.1f} s after "
+          f"the kill (heartbeat TTL {stack.config.heartbeat_ttl_s} s); {load.ok} requests served")
+    unstarted = [f for f in load.failures if not f[1]]
+    assert unstarted == [], unstarted
+    assert set(stack.store.read_table().entries) >= set(ADAPTERS)
+    metrics = httpx.get(stack.router_url + "/metrics").text
+    assert f'loraplex_router_upstream_failures_total{{server="{victim}"}}' in metrics

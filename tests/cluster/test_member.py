@@ -1,0 +1,86 @@
+"""An agent's pool membership over a real engine (the tiny model) and the in-process store: heartbeat
+record, prefetch of assigned adapters, eviction of unassigned ones, and never deleting a last copy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from loraplex_agent.async_engine import AsyncEngine
+from loraplex_agent.cluster.fetcher import AdapterFetcher
+from loraplex_agent.cluster.files import adapter_digest
+from loraplex_agent.cluster.member import ClusterMember
+from loraplex_agent.cluster.settings import ClusterSettings
+from loraplex_agent.cluster.sources import SourcePolicy
+from loraplex_agent.llm import LLM
+
+from loraplex.engine.clock import MonotonicClock
+from loraplex.routing.memory_store import InMemoryRoutingStore
+from loraplex.routing.records import AdapterRecord
+from loraplex.routing.table import RoutingTable, make_entry
+from loraplex.spec.errors import OverloadedError
+
+ME, OTHER = "me", "other"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model.base_dir, device="cpu", num_blocks=32, max_model_len=128, max_loras=2)
+
+
+@pytest.fixture
+async def member(llm, tiny_model, tmp_path):
+    store = InMemoryRoutingStore("test", MonotonicClock())
+    for name, path in list(tiny_model.adapters.items())[:3]:
+        store.put_adapter(AdapterRecord(name, adapter_digest(path), 8, 1, f"file://{path}"))
+    engine = AsyncEngine(llm)
+    engine.start()
+    settings = ClusterSettings("redis://unused", "test", ME, "http://127.0.0.1:1", tmp_path / "store")
+    m = ClusterMember(settings, store, engine, AdapterFetcher(settings.adapter_store, SourcePolicy()),
+                      max_rank=64, base_model="tiny")
+    m.names = list(tiny_model.adapters)[:3]
+    yield m
+    for name in list(engine.adapters):
+        await engine.remove_adapter(name)
+    engine.shutdown()
+
+
+def publish(store, version: int, assignment: dict[str, str]) -> None:
+    entries = {}
+    for name, server in assignment.items():
+        digest = store.get_adapter(name).digest
+        entries[name] = make_entry(name, digest, 8, [(server, 1.0)])
+    store.publish_table(RoutingTable(version, time.time(), entries))
+
+
+async def test_prefetches_its_assignment_and_reports_it(member):
+    a, b, c = member.names
+    publish(member.store, 1, {a: ME, b: ME, c: OTHER})
+    await member.reconcile()
+    assert set(member.engine.adapters) == {a, b}
+    assert member.store.get_adapter(a).locations == {ME}
+    record = member.record()
+    assert record.host_adapters == tuple(sorted((a, b))) and record.max_rank == 64 and record.base_model == "tiny"
+
+
+async def test_drops_unassigned_adapters_but_never_the_last_copy(member):
+    a, b, c = member.names
+    publish(member.store, 1, {a: ME, b: ME, c: OTHER})
+    await member.reconcile()
+    member.store.add_location(a, OTHER)  # `other` has copied a; nobody else holds b
+    publish(member.store, 2, {a: OTHER, b: OTHER, c: OTHER})
+    await member.reconcile()
+    assert set(member.engine.adapters) == {a, b}  # unassigned once: kept for one more pass
+    await member.reconcile()
+    assert set(member.engine.adapters) == {b}
+    assert member.store.get_adapter(a).locations == {OTHER}
+    assert member.store.get_adapter(b).locations == {ME}  # the last copy stays
+
+
+async def test_a_request_for_an_unassigned_adapter_loads_it_lazily(member):
+    a, _, c = member.names
+    publish(member.store, 1, {a: ME, c: OTHER})
+    await member.ensure(c)
+    assert c in member.engine.adapters and ME in member.store.get_adapter(c).locations
+    with pytest.raises(OverloadedError):
+        await member.ensure("not-registered")
