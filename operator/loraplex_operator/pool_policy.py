@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from loraplex.placement.max_replicas import cap_placement
 from loraplex.placement.policy import PlacementPolicy
 from loraplex.placement.snapshot import Placement, PlacementInput
-from loraplex_operator.replica_bounds import cap_placement
 
 # The stat (also kept in the routing table's meta) with the busiest server's forecast load.
 MAX_SERVER_LOAD = "max_server_load"

@@ -22,6 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
@@ -74,6 +75,8 @@ def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> di
             "requests": args.requests, "concurrency": args.concurrency, "router_cpu": router_cpu,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} "
                        f"{platform.python_version()}",
+            # uvicorn uses these when they are installed; they change the numbers a lot
+            "uvloop": find_spec("uvloop") is not None, "httptools": find_spec("httptools") is not None,
             **latency, **throughput}
 
 

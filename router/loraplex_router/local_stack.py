@@ -19,11 +19,15 @@ import random
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.cli import CommandError
 from loraplex.placement.controller import PlacementController, WallClock
+from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
+from loraplex.placement.max_replicas import MaxReplicasPolicy
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
 from loraplex.routing.records import AdapterRecord
@@ -79,6 +83,7 @@ class LocalStack:
         self._records: dict[str, tuple[tuple[str, str], AdapterRecord]] = {}
         self._fingerprint: tuple | None = None
         self._stop = threading.Event()
+        self._tick_lock = threading.Lock()  # held by tick() and by placement_paused()
         self._thread: threading.Thread | None = None
         self._reported_dead: set[str] = set()
 
@@ -113,7 +118,7 @@ class LocalStack:
             self.agents[server_id] = Child(server_id, self._agent_argv(model, server_id, i), self.logs).start()
         for server_id, child in self.agents.items():
             wait_http(self.agent_url(server_id) + "/health", child, self.config.startup_timeout_s)
-        self.controller = self._controller()
+        self.controller = self.build_controller()
         self.tick()
         self.router = Child("router", self._router_argv(), self.logs).start()
         wait_http(self.router_url + "/ready", self.router, self.config.startup_timeout_s)
@@ -164,8 +169,20 @@ class LocalStack:
             except Exception:  # keep the stack up; the next tick retries
                 log.exception("local stack tick failed")
 
+    @contextmanager
+    def placement_paused(self) -> Iterator[None]:
+        """No manifests are applied and no placement runs inside the block, so a table published by
+        hand stays current (tests pin known φ this way). Afterwards the controller sees that the table
+        is not its own and places again at once."""
+        with self._tick_lock:
+            yield
+
     def tick(self) -> None:
         """Apply changed manifests (or all of them again if the store lost them), then place."""
+        with self._tick_lock:
+            self._tick()
+
+    def _tick(self) -> None:
         if self.config.manifests is not None and folder_fingerprint(self.config.manifests) != self._fingerprint:
             try:
                 self.manifests = self._read_manifests()
@@ -251,15 +268,28 @@ class LocalStack:
         return [*LORAPLEX, "router", "--redis-url", self.redis_url, "--pool", self.pool,
                 "--port", str(self.config.router_port), "--poll-interval", "0.5", *self.config.router_args]
 
-    def _controller(self) -> PlacementController:
+    def build_controller(self) -> PlacementController:
+        """The pool's policy, hysteresis and interval, as the operator runs them; the replica bounds
+        of the LoRADeployments are read at every placement, so edited files take effect."""
         pool = self._pool_spec()
         policy = self.config.placement or (pool.spec.placement.policy if pool else "loraserve")
         interval = self.config.placement_interval_s or (pool.spec.placement.interval_seconds if pool else 10.0)
+        hysteresis = pool.spec.placement.hysteresis if pool else DEFAULT_HYSTERESIS
         try:
-            chosen = make_policy(policy, random.Random(0))
+            chosen = make_policy(policy, random.Random(0), hysteresis=hysteresis)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
-        return PlacementController(self.store, chosen, WallClock(), interval, default_operating_points("cpu"))
+        return PlacementController(self.store, MaxReplicasPolicy(chosen, self.max_replicas), WallClock(), interval,
+                                   default_operating_points("cpu"), min_replicas=self.min_replicas)
+
+    def min_replicas(self) -> dict[str, int]:
+        """{adapter: replicas.min} of the applied deployments (the controller's floor)."""
+        return {name: self.manifests.deployments[name][0].spec.replicas.min for name in self.desired}
+
+    def max_replicas(self) -> dict[str, int]:
+        """{adapter: replicas.max} of the applied deployments that set one."""
+        specs = {name: self.manifests.deployments[name][0].spec.replicas for name in self.desired}
+        return {name: r.max for name, r in specs.items() if r.max is not None}
 
 
 def default_manifests(adapters: Path, pool: str) -> Manifests:

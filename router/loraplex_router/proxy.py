@@ -28,6 +28,7 @@ from loraplex_router.sse import Usage, UsageTap
 RETRY_STATUSES = frozenset({502, 503, 504})
 SERVER_HEADER = "x-loraplex-server"
 ADAPTER_HEADER = "x-loraplex-adapter"
+_USAGE_OPTION = b'{"stream_options":{"include_usage":true},'  # opens the object it is spliced into
 
 
 class _AttemptFailed(Exception):
@@ -55,6 +56,9 @@ def prepare_body(body: dict, raw: bytes) -> tuple[bytes, bool, bool]:
     wants_usage = bool(options.get("include_usage"))
     if not stream or wants_usage:
         return raw, stream, wants_usage
+    text = raw.lstrip()
+    if "stream_options" not in body and text.startswith(b"{"):  # UTF-8 without BOM, the usual case:
+        return _USAGE_OPTION + text[1:], stream, wants_usage   # splice the option in, no re-serialising
     body = {**body, "stream_options": {**options, "include_usage": True}}
     return json.dumps(body, separators=(",", ":")).encode(), stream, wants_usage
 

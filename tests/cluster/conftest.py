@@ -13,16 +13,20 @@ NUM_ADAPTERS = 20
 POOL = "tiny"
 
 
-def deployment_yaml(name: str, source: Path, pool: str = POOL) -> str:
+REPLICATED = "ad19"  # deployed with replicas.min = 3: on every agent
+
+
+def deployment_yaml(name: str, source: Path, pool: str = POOL, replicas: str = "") -> str:
     return (f"apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {{name: {name}}}\n"
-            f"spec:\n  pool: {pool}\n  adapter: {{source: \"file://{source}\"}}\n")
+            f"spec:\n  pool: {pool}\n  adapter: {{source: \"file://{source}\"}}\n"
+            + (f"  replicas: {replicas}\n" if replicas else ""))
 
 
 def pool_yaml(base: Path) -> str:
     return ("apiVersion: loraplex.io/v1alpha1\nkind: AdapterPool\nmetadata: {name: tiny}\nspec:\n"
             f"  baseModel: {{name: tiny-llama, source: \"file://{base}\", dtype: float32}}\n"
             "  engine: {maxLoraRank: 64, maxLoras: 4, maxNumSeqs: 8, maxModelLen: 256}\n"
-            "  placement: {policy: loraserve, intervalSeconds: 30}\n")
+            "  placement: {policy: loraserve, intervalSeconds: 30, hysteresis: 0.2}\n")
 
 
 def free_port_block(count: int) -> int:
@@ -53,7 +57,9 @@ def stack(tiny_model, tmp_path_factory, free_port) -> Iterator:
     (folder / "pool.yaml").write_text(pool_yaml(tiny_model.base_dir))
     sources = list(tiny_model.adapters.values())
     for i in range(NUM_ADAPTERS):
-        (folder / f"ad{i:02d}.yaml").write_text(deployment_yaml(f"ad{i:02d}", sources[i % len(sources)]))
+        name = f"ad{i:02d}"
+        replicas = "{min: 3}" if name == REPLICATED else ""
+        (folder / f"{name}.yaml").write_text(deployment_yaml(name, sources[i % len(sources)], replicas=replicas))
     config = StackConfig(agents=3, manifests=folder, router_port=free_port(), agent_base_port=free_port_block(3),
                          redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=3.0,
                          workdir=tmp_path_factory.mktemp("stack"),

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
 import openai
+
+from loraplex.routing.table import RoutingTable, make_entry
 
 ADAPTERS = [f"ad{i:02d}" for i in range(20)]
 
@@ -57,7 +60,48 @@ def test_twenty_adapters_over_three_agents(stack):
     table = stack.store.read_table()
     assert set(table.entries) >= set(ADAPTERS)
     assert len(table.servers()) == 3  # the placement spread the adapters over every agent
+    assert len(table.routes("ad19")) == 3  # its LoRADeployment asks for replicas.min = 3
+    assert stack.controller.policy.inner.hysteresis == 0.2  # the AdapterPool's placement.hysteresis
     assert complete(c, "tiny-llama")
+
+
+def served_by(stack, requests: list[str]) -> dict[str, Counter[str]]:
+    """{adapter: Counter(server)}: who served each request, from the router's x-loraplex-server."""
+    def one(http: httpx.Client, adapter: str) -> tuple[str, str]:
+        r = http.post("/v1/completions", json={"model": adapter, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return adapter, r.headers["x-loraplex-server"]
+
+    seen: dict[str, Counter[str]] = {}
+    with httpx.Client(base_url=stack.router_url, timeout=60) as http, ThreadPoolExecutor(6) as pool:
+        for adapter, server in pool.map(lambda a: one(http, a), requests):
+            seen.setdefault(adapter, Counter())[server] += 1
+    return seen
+
+
+def test_routing_follows_phi_over_real_agents(stack):
+    """A hand-published table with known φ: the router's choices over the three agents must match it
+    (chi-square, p = 1e-4, so a correct router fails once in 10,000 runs) and never use a φ = 0 server."""
+    s0, s1, s2 = sorted(stack.agents)
+    phi = {"ad00": {s0: 0.2, s1: 0.3, s2: 0.5}, "ad01": {s1: 0.7, s2: 0.3}, "ad02": {s0: 1.0}}
+    counts = {"ad00": 300, "ad01": 200, "ad02": 30}
+    with stack.placement_paused():
+        current = stack.store.read_table()
+        entries = dict(current.entries)
+        for adapter, weights in phi.items():
+            entries[adapter] = make_entry(adapter, current.entries[adapter].digest, current.entries[adapter].rank,
+                                          weights.items())
+        pinned = current.version + 1
+        stack.store.publish_table(RoutingTable(pinned, time.time(), entries, policy="pinned-by-test"))
+        wait_until(lambda: httpx.get(stack.router_url + "/health").json()["routing_version"] == pinned)
+        seen = served_by(stack, [a for a, n in counts.items() for _ in range(n)])
+    chi2 = 0.0
+    for adapter, weights in phi.items():
+        assert set(seen[adapter]) <= set(weights), (adapter, seen[adapter])  # φ = 0: never
+        chi2 += sum((seen[adapter][s] - w * counts[adapter]) ** 2 / (w * counts[adapter]) for s, w in weights.items())
+    assert chi2 < 21.1, (seen, chi2)  # 3 degrees of freedom (2 + 1 + 0), p = 1e-4
+    # Unpaused, the controller finds a table that is not its own and places again.
+    wait_until(lambda: stack.store.current_version() > pinned)
 
 
 def test_a_new_deployment_file_becomes_routable(stack, write_deployment):

@@ -1,0 +1,63 @@
+"""`loraplex up` places as the operator does: the pool's policy and hysteresis, each LoRADeployment's
+replicas.min and replicas.max. The stack's own controller runs here over the in-process store, with
+three registered servers and no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from loraplex_router.local_stack import LocalStack, StackConfig
+
+from loraplex.engine.clock import ManualClock
+from loraplex.routing.memory_store import InMemoryRoutingStore
+from loraplex.routing.records import ServerRecord
+
+SERVERS = ("s0", "s1", "s2")
+
+
+def write_manifests(folder: Path, source: Path, policy: str, replicas: dict[str, str]) -> None:
+    (folder / "pool.yaml").write_text(
+        "apiVersion: loraplex.io/v1alpha1\nkind: AdapterPool\nmetadata: {name: tiny}\nspec:\n"
+        "  baseModel: {name: tiny-llama, source: \"file:///unused\"}\n"
+        f"  placement: {{policy: {policy}, intervalSeconds: 30, hysteresis: 0.35}}\n")
+    for name in ("free", *replicas):
+        bounds = f"  replicas: {replicas[name]}\n" if name in replicas else ""
+        (folder / f"{name}.yaml").write_text(
+            f"apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {{name: {name}}}\n"
+            f"spec:\n  pool: tiny\n  adapter: {{source: \"file://{source}\"}}\n{bounds}")
+
+
+def placed(tmp_path: Path, tiny_model, policy: str, replicas: dict[str, str]) -> tuple[LocalStack, dict]:
+    """The stack's controller after one placement, and {adapter: set of servers} of its table."""
+    write_manifests(tmp_path, next(iter(tiny_model.adapters.values())), policy, replicas)
+    stack = LocalStack(StackConfig(manifests=tmp_path, workdir=tmp_path / "work"))
+    stack.store = InMemoryRoutingStore("tiny", ManualClock())
+    for sid in SERVERS:
+        stack.store.register_server(ServerRecord(sid, f"http://127.0.0.1/{sid}", max_rank=64), ttl_s=60)
+    stack.apply_manifests()
+    stack.controller = stack.build_controller()
+    assert stack.controller.run_once().outcome == "published"
+    table = stack.store.read_table()
+    return stack, {name: {r.server for r in table.routes(name)} for name in table.entries}
+
+
+def test_replicas_min_and_the_pools_hysteresis_reach_the_placement(tmp_path, tiny_model):
+    stack, routes = placed(tmp_path, tiny_model, "loraserve", {"triple": "{min: 3}", "pair": "{min: 2, max: 2}"})
+    assert stack.controller.policy.inner.hysteresis == pytest.approx(0.35)
+    assert len(routes["triple"]) == 3 and len(routes["pair"]) == 2 and len(routes["free"]) == 1
+
+
+def test_replicas_max_caps_every_policy(tmp_path, tiny_model):
+    _, routes = placed(tmp_path, tiny_model, "replicate-all", {"capped": "{max: 1}", "two": "{max: 2}"})
+    assert len(routes["free"]) == 3  # replicate-all: every server
+    assert len(routes["capped"]) == 1 and len(routes["two"]) == 2
+
+
+def test_edited_replicas_take_effect_at_the_next_placement(tmp_path, tiny_model):
+    stack, routes = placed(tmp_path, tiny_model, "replicate-all", {"capped": "{max: 1}"})
+    assert len(routes["capped"]) == 1
+    write_manifests(tmp_path, next(iter(tiny_model.adapters.values())), "replicate-all", {"capped": "{max: 2}"})
+    stack.tick()  # sees the changed folder and applies it; the placement itself is not due yet
+    stack.controller.run_once()
+    assert len(stack.store.read_table().routes("capped")) == 2
