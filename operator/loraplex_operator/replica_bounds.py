@@ -11,10 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from loraplex.placement.max_replicas import cap_placement, cap_routes
 from loraplex.spec.crd import ReplicasSpec
-
-__all__ = ["ReplicaBounds", "cap_placement", "cap_routes", "replica_bounds"]  # the caps live in placement
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from loraplex_operator.pool_policy import MAX_SERVER_LOAD, PoolPolicy, server_loads
-from loraplex_operator.replica_bounds import ReplicaBounds, cap_placement, cap_routes, replica_bounds
+from loraplex_operator.replica_bounds import ReplicaBounds, replica_bounds
 
 from loraplex.engine.clock import ManualClock
 from loraplex.placement import (
@@ -17,6 +17,7 @@ from loraplex.placement import (
     PlacementServer,
     make_policy,
 )
+from loraplex.placement.max_replicas import cap_placement, cap_routes
 from loraplex.routing import AdapterRecord, InMemoryRoutingStore, ServerRecord
 from loraplex.spec.crd import ReplicasSpec
 
