@@ -62,13 +62,20 @@ class TorchExecutor:
             self.lora.load(load.slot, self.get_adapter(load.adapter))
         result = ExecutorResult()
         if output.chunks:
-            chunks = sorted(output.chunks, key=lambda c: (c.num_tokens > 1, c.adapter_slot))
+            chunks = sorted(output.chunks, key=self._row_order)
             logits = self.model.forward(self._forward_batch(chunks), self.kv_caches)
             result.sampled = self._sample(logits, [c for c in chunks if c.sample])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         result.elapsed_s = time.perf_counter() - start
         return result
+
+    def _row_order(self, chunk: ScheduledChunk) -> tuple[bool, int, int]:
+        """Decode rows first; each part grouped by adapter, adapters in (rank class, index) order so
+        that a decode step's adapters of one class form one batched LoRA run."""
+        if chunk.adapter_slot == NO_ADAPTER_SLOT:
+            return chunk.num_tokens > 1, -1, -1
+        return (chunk.num_tokens > 1, *self.lora.location(chunk.adapter_slot))
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict:
         if self.capture_logits:
@@ -97,7 +104,7 @@ class TorchExecutor:
         return ForwardBatch(
             input_ids=self._tensor(ids), positions=self._tensor(positions),
             attention=self._attention_batch(slots, decodes, prefills),
-            lora=LoraBatch.from_row_slots(row_slots, no_adapter=NO_ADAPTER_SLOT),
+            lora=LoraBatch.from_row_slots(row_slots, self.lora.location, no_adapter=NO_ADAPTER_SLOT),
             sample_rows=self._tensor(sample_rows))
 
     def _attention_batch(self, slots: list[int], decodes: list[ScheduledChunk],

@@ -15,6 +15,8 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
@@ -22,7 +24,7 @@ from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters import AdapterStore, load_peft_adapter
-from loraplex_agent.device import num_kv_blocks, resolve_device, resolve_dtype
+from loraplex_agent.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
 from loraplex_agent.executor import TorchExecutor
 from loraplex_agent.model_config import ModelConfig
 
@@ -38,14 +40,15 @@ class LLM:
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
-                   served_model_name=getattr(args, "served_model_name", None))
+                   served_model_name=getattr(args, "served_model_name", None),
+                   threads=getattr(args, "threads", None))
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: float | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_loras: int = 8, max_lora_rank: int = 64,
                  scheduler: str = "fifo", served_model_name: str | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.model_dir = Path(model)
@@ -53,6 +56,8 @@ class LLM:
         self.served_model_name = served_model_name or self.model_dir.name
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.model_config, torch_device)
+        if torch_device.type == "cpu":
+            torch.set_num_threads(cpu_threads(self.model_config, threads))
         max_len = resolve_max_model_len(self.model_config, max_model_len)
         blocks = num_kv_blocks(self.model_config, torch_device, torch_dtype, block_size=block_size,
                                max_model_len=max_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,

@@ -84,7 +84,7 @@ class DecoderLayer:
     def _attention(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                    kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        lora_linear_delta(qkv, x, batch.lora, self.lora.qkv)
+        lora_linear_delta(qkv, x, batch.lora, self.lora["qkv"])
         q, k, v = qkv.split(self.qkv_split, dim=-1)
         cos, sin = rope
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
@@ -94,16 +94,16 @@ class DecoderLayer:
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch.attention, self.scale)
         out = out.view(-1, self.num_heads * self.head_dim)
         y = F.linear(out, self.o)
-        lora_linear_delta(y, out, batch.lora, self.lora.o)
+        lora_linear_delta(y, out, batch.lora, self.lora["o"])
         return y
 
     def _mlp(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up)
-        lora_linear_delta(gate_up, x, lora, self.lora.gate_up)
+        lora_linear_delta(gate_up, x, lora, self.lora["gate_up"])
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
         y = F.linear(act, self.down)
-        lora_linear_delta(y, act, lora, self.lora.down)
+        lora_linear_delta(y, act, lora, self.lora["down"])
         return y
 
 

@@ -1,18 +1,19 @@
 """Device slots holding resident adapters' LoRA weights, laid out for `lora_linear_delta`.
 
 A slot's weights are copied from the host adapter in the model dtype when the scheduler loads it:
-A and B are transposed, B is multiplied by the adapter's scaling, and the pairs of projections that
-share their input are fused (q/k/v, gate/up), so a segment costs one shrink and one expand per group.
+A and B are transposed, B is multiplied by the adapter's scaling, and each layer's pairs go into
+the `StackedLoraWeights` of their fused group (q/k/v, o, gate/up, down). Every slot has a location
+(rank class, index) shared by all layers and groups: the class is the adapter's rank rounded up to
+a power of two, the index the lowest free one of that class, which keeps the resident adapters of a
+class at consecutive indices, so a decode step over many adapters runs few batched matmuls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.model_config import ModelConfig
-from loraplex_kernels.lora import LoraPair, fuse_lora_weights
+from loraplex_kernels.lora import Location, LoraPair, StackedLoraWeights, rank_class
 
 from loraplex.spec.adapter import AdapterId
 
@@ -24,19 +25,7 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 
-
-@dataclass
-class LayerLoraWeights:
-    """One layer's LoRA pairs per fused group, indexed by slot (None: empty slot or module not wrapped)."""
-
-    qkv: list[LoraPair | None] = field(default_factory=list)
-    o: list[LoraPair | None] = field(default_factory=list)
-    gate_up: list[LoraPair | None] = field(default_factory=list)
-    down: list[LoraPair | None] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls, num_slots: int) -> LayerLoraWeights:
-        return cls(*([None] * num_slots for _ in LORA_GROUPS))
+LayerLoraWeights = dict[str, StackedLoraWeights]  # fused group -> its stacked weights
 
 
 class LoraSlots:
@@ -44,29 +33,52 @@ class LoraSlots:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.layers = [LayerLoraWeights.empty(num_slots) for _ in range(config.num_hidden_layers)]
+        self.layers: list[LayerLoraWeights] = [
+            {group: self._stack(modules) for group, modules in LORA_GROUPS.items()}
+            for _ in range(config.num_hidden_layers)]
         self.adapters: list[AdapterId | None] = [None] * num_slots
+        self.locations: list[Location | None] = [None] * num_slots
 
     @property
     def num_slots(self) -> int:
         return len(self.adapters)
 
+    def _stack(self, modules: tuple[str, ...]) -> StackedLoraWeights:
+        in_features = self.config.module_shape(modules[0])[0]
+        outs = [self.config.module_shape(m)[1] for m in modules]
+        return StackedLoraWeights(in_features, outs, self.device, self.dtype)
+
+    def location(self, slot: int) -> Location:
+        """The occupied slot's (rank class, index) in the stacked buffers."""
+        location = self.locations[slot]
+        if location is None:
+            raise ValueError(f"adapter slot {slot} holds no adapter")
+        return location
+
     def load(self, slot: int, adapter: HostAdapter) -> None:
         """Copy `adapter` into `slot`, replacing whatever the slot held."""
         self._check_slot(slot)
+        if self.adapters[slot] is not None:
+            self.evict(slot)
+        location = self._free_location(_adapter_rank(adapter))
         for layer_index, layer in enumerate(self.layers):
             for group, modules in LORA_GROUPS.items():
-                parts = [self._pair(adapter, layer_index, m) for m in modules]
-                outs = [self.config.module_shape(m)[1] for m in modules]
-                getattr(layer, group)[slot] = fuse_lora_weights(parts, outs)
-        self.adapters[slot] = adapter.id
+                layer[group].put(location, [self._pair(adapter, layer_index, m) for m in modules])
+        self.adapters[slot], self.locations[slot] = adapter.id, location
 
     def evict(self, slot: int) -> None:
         self._check_slot(slot)
-        for layer in self.layers:
-            for group in LORA_GROUPS:
-                getattr(layer, group)[slot] = None
-        self.adapters[slot] = None
+        location = self.locations[slot]
+        if location is not None:
+            for layer in self.layers:
+                for stack in layer.values():
+                    stack.clear(location)
+        self.adapters[slot], self.locations[slot] = None, None
+
+    def _free_location(self, rank: int) -> Location:
+        cls = rank_class(rank)
+        taken = {loc[1] for loc in self.locations if loc is not None and loc[0] == cls}
+        return cls, next(i for i in range(self.num_slots + 1) if i not in taken)
 
     def _pair(self, adapter: HostAdapter, layer: int, module: str) -> LoraPair | None:
         pair = adapter.weights.get((layer, module))
@@ -80,3 +92,8 @@ class LoraSlots:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"adapter slot {slot} is out of range 0..{self.num_slots - 1}")
+
+
+def _adapter_rank(adapter: HostAdapter) -> int:
+    """The largest rank over the adapter's modules (rank_pattern may give modules other ranks)."""
+    return max((a.shape[0] for a, _ in adapter.weights.values()), default=adapter.rank)
