@@ -56,6 +56,7 @@ class PassResult:
     wall_s: float
     ttft_s: list[float]
     outputs: list[list[int]] = field(repr=False)
+    cpu_s: float = 0.0  # this process's CPU time: steadier than wall time on a shared machine
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,6 +74,7 @@ class Summary:
     tokens_per_s: float
     ttft_p50_ms: float
     wall_s: float
+    cpu_s: float
     all_tokens_per_s: list[float]
     greedy_match_with_hf: int | None = None  # requests whose tokens equal HF's
 
@@ -106,11 +108,11 @@ class OursRunner:
         from loraplex.engine.sampling import SamplingParams
 
         sampling = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         requests = self.llm.generate(workload.prompts, sampling, adapters=workload.adapters)
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         return PassResult(
-            system=self.name, num_adapters=workload.num_adapters,
+            system=self.name, num_adapters=workload.num_adapters, cpu_s=cpu,
             output_tokens=sum(len(r.output_token_ids) for r in requests), wall_s=wall,
             ttft_s=[r.first_token_time - r.arrival_time for r in requests],
             outputs=[list(r.output_token_ids) for r in requests])
@@ -133,19 +135,19 @@ class HfRunner:
             self.model.load_adapter(str(adapters[name]), adapter_name=name)
         self.model.eval()
 
-    def _generate(self, workload: Workload, max_new_tokens: int) -> tuple[torch.Tensor, float]:
+    def _generate(self, workload: Workload, max_new_tokens: int) -> tuple[torch.Tensor, float, float]:
         input_ids = torch.tensor(workload.prompts, dtype=torch.long)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                 max_new_tokens=max_new_tokens, pad_token_id=0, adapter_names=list(workload.adapters))
-        return out[:, input_ids.shape[1]:], time.perf_counter() - started
+        return out[:, input_ids.shape[1]:], time.perf_counter() - started, time.process_time() - cpu_started
 
     def __call__(self, workload: Workload) -> PassResult:
-        _, first_token_wall = self._generate(workload, 1)
-        tokens, wall = self._generate(workload, workload.output_len)
-        return PassResult(system=self.name, num_adapters=workload.num_adapters,
+        _, first_token_wall, _ = self._generate(workload, 1)
+        tokens, wall, cpu = self._generate(workload, workload.output_len)
+        return PassResult(system=self.name, num_adapters=workload.num_adapters, cpu_s=cpu,
                           output_tokens=tokens.numel(), wall_s=wall,
                           ttft_s=[first_token_wall] * len(workload.prompts), outputs=tokens.tolist())
 
@@ -174,7 +176,7 @@ def summarise(passes: list[PassResult], reference: list[PassResult] | None) -> S
         match = sum(a == b for a, b in zip(median.outputs, reference[0].outputs, strict=True))
     return Summary(system=median.system, num_adapters=median.num_adapters,
                    tokens_per_s=median.tokens_per_s, ttft_p50_ms=median.ttft_p50_s * 1e3,
-                   wall_s=median.wall_s, all_tokens_per_s=[p.tokens_per_s for p in passes],
+                   wall_s=median.wall_s, cpu_s=median.cpu_s, all_tokens_per_s=[p.tokens_per_s for p in passes],
                    greedy_match_with_hf=match)
 
 
@@ -189,11 +191,12 @@ def ratios(summaries: list[Summary], counts: list[int]) -> dict:
 
 
 def print_report(summaries: list[Summary], ratio: dict, counts: list[int]) -> None:
-    print(f"\n{'system':<8}{'adapters':>9}{'tokens/s':>11}{'TTFT p50 ms':>13}{'wall s':>9}{'= HF tokens':>13}")
+    print(f"\n{'system':<8}{'adapters':>9}{'tokens/s':>11}{'TTFT p50 ms':>13}{'wall s':>9}{'cpu s':>8}"
+          f"{'= HF tokens':>13}")
     for s in sorted(summaries, key=lambda s: (s.num_adapters, s.system)):
         match = "" if s.greedy_match_with_hf is None else str(s.greedy_match_with_hf)
         print(f"{s.system:<8}{s.num_adapters:>9}{s.tokens_per_s:>11.1f}{s.ttft_p50_ms:>13.1f}{s.wall_s:>9.2f}"
-              f"{match:>13}")
+              f"{s.cpu_s:>8.2f}{match:>13}")
     print("\nours / HF tokens/s: " + ", ".join(f"K={k}: {v:.2f}x"
                                              for k, v in ratio["ours_over_hf_tokens_per_s"].items()))
     if "ours_over_vllm_tokens_per_s" in ratio:

@@ -42,6 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--scheduler", default="fifo")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)")
 
 
 def _tiny_model_args(p: argparse.ArgumentParser) -> None:
@@ -113,8 +115,8 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", default=None, metavar="PROFILE",
                    help="compare this profile's twin with the real engine at three loads instead")
     p.add_argument("--duration", type=float, default=60.0, help="--check: seconds of trace per load")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (profile and use alike)")
     p.add_argument("--wall-clock", action="store_true",
                    help="time steps in wall time (default: the engine thread's CPU time; needs --threads 1)")
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
+    p.set_defaults(threads=1)  # profile and use alike: the CPU time of one thread is the steady signal
