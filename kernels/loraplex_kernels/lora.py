@@ -24,16 +24,30 @@ over views of the stacked buffers (no copies of weights). Decode steps with many
 few runs per class instead of one matmul pair per adapter; a prefill segment is a run of its own.
 Modules are not fused on the shrink side: on the CPU a batched [1 x in] @ [in x 3r] product ran at
 half the memory bandwidth of three [1 x in] @ [in x r] products once 3r reached ~100.
+
+Backends (`LORAPLEX_LORA_KERNEL`): `auto` (default) uses the fused C++ kernel
+(`loraplex_kernels.cpu_lora`, one call per fused group, streaming the weights at memory bandwidth)
+for float32 tensors on the CPU when it builds, else the torch reference; `reference` always uses
+the torch reference; `cpu` requires the C++ kernel for CPU float32 and raises if it cannot be built.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from types import ModuleType
 
 import torch
 
+from loraplex_kernels import cpu_lora
+
+BACKEND_ENV = "LORAPLEX_LORA_KERNEL"
+BACKENDS = ("auto", "reference", "cpu")
+
 LoraPair = tuple[torch.Tensor, torch.Tensor]  # (A [in, r], B [r, out]), B pre-scaled
+KernelEntries = tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]  # see kernel_entries
 Location = tuple[int, int]  # (rank class, index in that class's stacked buffers)
 
 
@@ -75,6 +89,13 @@ class LoraBatch:
     @property
     def is_empty(self) -> bool:
         return not self.runs
+
+    @cached_property
+    def run_table(self) -> torch.Tensor:
+        """int64 [runs, 5] on the CPU: (row_start, tokens, num_segments, rank, index_start) per run,
+        what the fused CPU kernel reads; built once per step."""
+        rows = [(r.row_start, r.tokens, r.num_segments, r.rank, r.index_start) for r in self.runs]
+        return torch.tensor(rows, dtype=torch.int64).view(len(rows), 5)
 
     @classmethod
     def from_row_slots(cls, row_slots: Sequence[int], locate: Callable[[int], Location],
@@ -120,12 +141,14 @@ class StackedLoraWeights:
         self.b: dict[int, list[torch.Tensor]] = {}
         self.wrapped: dict[int, list[int]] = {}
         self.present: dict[tuple[int, int], list[bool]] = {}
+        self._entries: KernelEntries | None = None
 
     def put(self, location: Location, parts: Sequence[LoraPair | None]) -> None:
         """Store one adapter's pairs (one per module, None where it wraps nothing) at `location`."""
         rank, index = location
         self._check(rank, parts)
         self.clear(location)
+        self._entries = None
         self.present[location] = [p is not None for p in parts]
         if rank not in self.a and not any(self.present[location]):
             return  # nothing of this class wraps the group yet: no buffer needed
@@ -155,8 +178,21 @@ class StackedLoraWeights:
 
     def clear(self, location: Location) -> None:
         """Forget the adapter at `location` (its rows are never scheduled again)."""
+        self._entries = None
         for m, wraps in enumerate(self.present.pop(location, [])):
             self.wrapped[location[0]][m] -= wraps
+
+    def kernel_entries(self) -> KernelEntries:
+        """What the fused CPU kernel reads: one entry per (class, module) that a stored adapter
+        wraps, as int64 [entries, 3] (rank class, first column in y, out features) plus the
+        matching A and B buffers; cached until the next put or clear."""
+        if self._entries is None:
+            starts = [sum(self.out_features[:m]) for m in range(len(self.out_features))]
+            wrapped = [(rank, m) for rank in self.a for m in range(len(self.out_features)) if self.wrapped[rank][m]]
+            meta = [(rank, starts[m], self.out_features[m]) for rank, m in wrapped]
+            self._entries = (torch.tensor(meta, dtype=torch.int64).view(len(meta), 3),
+                             [self.a[rank][m] for rank, m in wrapped], [self.b[rank][m] for rank, m in wrapped])
+        return self._entries
 
     def _reserve(self, rank: int) -> None:
         """Make the class's buffers hold every index stored so far, including adapters that wrap
@@ -182,9 +218,50 @@ class StackedLoraWeights:
 def lora_linear_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, weights: StackedLoraWeights) -> None:
     """Add every segment's LoRA term to `y` [tokens, sum(out)] in place; `x` is [tokens, in].
 
-    Torch reference: per run and wrapped module one batched shrink and one batched expand (a Triton
-    kernel replaces this on the GPU later).
+    The fused C++ kernel on CPU float32 tensors where it is available, else the torch reference
+    (see the module docstring for `LORAPLEX_LORA_KERNEL`).
     """
+    if batch.is_empty:
+        return
+    kernel = _cpu_kernel(y, x)
+    if kernel is None:
+        reference_lora_delta(y, x, batch, weights)
+        return
+    entries, a, b = weights.kernel_entries()
+    if a:
+        kernel.lora_delta(y, x if x.stride(-1) == 1 else x.contiguous(), batch.run_table, entries, a, b)
+
+
+def prepare_lora_backend(device: torch.device, dtype: torch.dtype) -> None:
+    """Build the fused CPU kernel now, at startup, when this device and dtype will use it, so the
+    one-time compile never lands inside a request."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    _cpu_kernel(probe, probe)
+
+
+def lora_backend() -> str:
+    """The backend chosen by `LORAPLEX_LORA_KERNEL` (default `auto`)."""
+    backend = os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: expected one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def _cpu_kernel(y: torch.Tensor, x: torch.Tensor) -> ModuleType | None:
+    backend = lora_backend()
+    if (backend == "reference" or x.device.type != "cpu" or x.dtype != torch.float32
+            or y.dtype != torch.float32 or y.stride(-1) != 1):
+        return None
+    kernel = cpu_lora.load()
+    if kernel is None and backend == "cpu":
+        raise RuntimeError(f"{BACKEND_ENV}=cpu but the fused CPU LoRA kernel is unavailable: "
+                           f"{cpu_lora.unavailable_reason()}")
+    return kernel
+
+
+def reference_lora_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, weights: StackedLoraWeights) -> None:
+    """Torch reference of `lora_linear_delta`: per run and wrapped module one batched shrink and one
+    batched expand (a Triton kernel replaces this on the GPU later)."""
     for run in batch.runs:
         if run.rank not in weights.a or not any(weights.wrapped[run.rank]):
             continue  # no adapter of this class wraps this group

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from loraplex_kernels.attention import AttentionBatch, PrefillChunk, decode_key_mask
-from loraplex_kernels.lora import LoraBatch
+from loraplex_kernels.lora import LoraBatch, prepare_lora_backend
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.messages import NO_ADAPTER_SLOT, ExecutorResult, ScheduledChunk, SchedulerOutput
@@ -40,6 +40,7 @@ class TorchExecutor:
         self.dtype = dtype
         self.get_adapter = get_adapter
         self.lora = LoraSlots(model_config, engine_config.max_loras, device, dtype)
+        prepare_lora_backend(device, dtype)
         state = load_state_dict(model_dir or model_config.name, device, dtype)
         self.model = LlamaModel(model_config, state, self.lora.layers, engine_config.max_model_len, device, dtype)
         self.kv_caches = [self._cache_tensors() for _ in range(model_config.num_hidden_layers)]
