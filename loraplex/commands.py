@@ -11,6 +11,20 @@ def register(registry: CommandRegistry) -> None:
     """Core commands are added here as the core grows; each imports its module lazily."""
     registry.add("bench placement", "time the placement policies on a synthetic pool",
                  lambda parser: _bench_placement().configure(parser), lambda args: _bench_placement().run(args))
+    from loraplex.sim import commands as sim  # argparse-only; each run imports its module lazily
+
+    registry.add("workload generate", "write a synthetic or replayed workload trace (JSONL)",
+                 sim.generate_args, sim.run_generate)
+    registry.add("workload stats", "rate, burstiness, lengths and adapter skew of a trace",
+                 sim.stats_args, sim.run_stats)
+    registry.add("sim run", "replay a trace on the digital twin (one server or a cluster)",
+                 sim.sim_args, sim.run_sim)
+    registry.add("sim plan", "the fewest GPUs (and A_max per GPU) that serve a trace without starving",
+                 sim.plan_args, sim.run_plan)
+    registry.add("bench serve", "replay a trace against an OpenAI-compatible endpoint (open loop)",
+                 sim.serve_args, sim.run_serve)
+    registry.add("bench report", "percentile table and CDF/over-time plots of results files",
+                 sim.report_args, sim.run_report)
 
 
 def _bench_placement() -> ModuleType:

@@ -115,6 +115,7 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", default=None, metavar="PROFILE",
                    help="compare this profile's twin with the real engine at three loads instead")
     p.add_argument("--duration", type=float, default=60.0, help="--check: seconds of trace per load")
+    p.add_argument("--loads", default="0.25,0.5,0.75", help="--check: loads, as fractions of the twin's saturation rate")
     p.add_argument("--wall-clock", action="store_true",
                    help="time steps in wall time (default: the engine thread's CPU time; needs --threads 1)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,0 +1,178 @@
+"""Cluster mode: N twin servers behind the real router policy, re-placed by the real placement
+policy every interval (the routing table is swapped at once, as routers do on a new version).
+
+A discrete-event loop over per-server virtual clocks: the next event is either the next arrival or
+the step of the server whose clock is earliest. A server's step runs from its clock to clock +
+step latency; requests routed to it meanwhile join at its next step boundary, as in the real engine.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+
+from loraplex.engine.core import EngineCore
+from loraplex.engine.request import Request
+from loraplex.placement import OperatingPoints, PlacementAdapter, PlacementInput, PlacementServer, make_policy
+from loraplex.routing import RoutingTable
+from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile
+from loraplex.sim.metrics import (
+    RequestResult,
+    Slo,
+    Summary,
+    offered_tokens,
+    result_of,
+    summarize,
+    trace_duration,
+)
+from loraplex.sim.operating_points import operating_points
+from loraplex.sim.profile import Profile
+from loraplex.sim.replay import check_fits, make_request, register_adapters, sim_adapter_id
+from loraplex.sim.server import make_sim_engine, sim_prompt
+from loraplex.sim.trace import Trace, TraceRequest
+
+
+@dataclass
+class ClusterConfig:
+    servers: int
+    placement: str = "loraserve"
+    routing: str = "loraserve"  # router profile (loraplex.routing.pipeline.PROFILES)
+    interval_s: float = 60.0
+    seed: int = 0
+    engine_overrides: dict = field(default_factory=dict)
+    operating_points: OperatingPoints | None = None  # default: measured on the twin for this profile
+
+
+@dataclass
+class ClusterRun:
+    results: list[RequestResult]
+    summary: Summary
+    info: dict
+
+
+class _Server:
+    def __init__(self, index: int, profile: Profile, overrides: dict, adapters: dict[str, int]) -> None:
+        self.index = index
+        self.id = f"sim-{index}"
+        self.core, self.clock = make_sim_engine(profile, profile.engine_config(**overrides))
+        self.ids = register_adapters(self.core, adapters)
+        self.requests: list[Request] = []
+
+    def candidate(self, adapter: str | None, phi: float) -> Candidate:
+        scheduler = self.core.scheduler
+        resident = adapter is not None and self.core.residency.slot_of(self.ids[adapter]) is not None
+        return Candidate(self.id, phi=phi, residency=Residency.GPU if resident else Residency.HOST,
+                         queue_depth=scheduler.num_running + scheduler.num_waiting,
+                         max_rank=self.core.config.max_lora_rank)
+
+
+class _Cluster:
+    def __init__(self, trace: Trace, profile: Profile, config: ClusterConfig) -> None:
+        self.config = config
+        self.adapters = trace.adapters()
+        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters) for i in range(config.servers)]
+        self.by_id = {s.id: s for s in self.servers}
+        rng = random.Random(config.seed)
+        self.router = make_profile(config.routing, random.Random(rng.random()))
+        self.policy = make_policy(config.placement, random.Random(rng.random()))
+        max_rank = self.servers[0].core.config.max_lora_rank
+        self.placement_servers = [PlacementServer(s.id, max_rank) for s in self.servers]
+        self.points = config.operating_points or operating_points(profile, sorted(set(self.adapters.values())),
+                                                                  trace, self.servers[0].core.config)
+        self.table: RoutingTable | None = None
+        self.window_tokens: dict[str, int] = {}
+        self.placements = 0
+        self.required_servers: list[int] = []
+
+    def place(self, now: float, demand_tps: dict[str, float]) -> None:
+        adapters = [PlacementAdapter(name, sim_adapter_id(name).digest, rank, demand_tps.get(name, 0.0))
+                    for name, rank in sorted(self.adapters.items())]
+        placement = self.policy.place(PlacementInput(self.placement_servers, adapters, self.points, self.table))
+        self.table = placement.to_table(self.placements + 1, now, adapters)
+        self.placements += 1
+        self.required_servers.append(placement.required_servers)
+
+    def route(self, request: TraceRequest) -> _Server:
+        phis = {}
+        if request.adapter is not None and self.table is not None:
+            phis = {r.server: r.weight for r in self.table.routes(request.adapter)}
+        # The assigned filter keeps only φ > 0 servers when there are any, so offering just those
+        # gives the same pick and saves building one candidate per server per request.
+        offered = [self.by_id[sid] for sid in phis] if phis else self.servers
+        candidates = [s.candidate(request.adapter, phis.get(s.id, 0.0)) for s in offered]
+        chosen = self.router.pick(RouteRequest(request.adapter, request.rank or None), candidates)
+        return self.by_id[chosen.server_id]
+
+
+def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo: Slo | None = None) -> ClusterRun:
+    if config.servers < 1:
+        raise ValueError("a cluster needs at least one server")
+    config_0 = profile.engine_config(**config.engine_overrides)
+    check_fits(trace, config_0.max_model_len, config_0.max_lora_rank)
+    cluster = _Cluster(trace, profile, config)
+    duration = trace_duration(trace)
+    cluster.place(0.0, _mean_demand(trace, duration))  # the declared (expected) demand of every adapter
+    busy: list[tuple[float, int]] = []  # (clock, server index) of servers with work
+    next_placement = config.interval_s
+    for request in trace.requests:
+        _run_until(cluster, busy, request.arrival_s)
+        while request.arrival_s >= next_placement:
+            cluster.place(next_placement, {a: t / config.interval_s for a, t in cluster.window_tokens.items()})
+            cluster.window_tokens = {}
+            next_placement += config.interval_s
+        _admit(cluster, busy, request)
+    _run_until(cluster, busy, float("inf"))
+    return _collect(cluster, trace, duration, slo)
+
+
+def _admit(cluster: _Cluster, busy: list[tuple[float, int]], request: TraceRequest) -> None:
+    server = cluster.route(request)
+    if request.adapter is not None:
+        cluster.window_tokens[request.adapter] = (cluster.window_tokens.get(request.adapter, 0)
+                                                  + request.prompt_len + request.output_len)
+    idle = not server.core.has_unfinished()
+    if idle:
+        server.clock.advance(max(0.0, request.arrival_s - server.clock.now()))
+    req = make_request(request, 0.0, server.ids[request.adapter] if request.adapter else None, sim_prompt)
+    server.core.add_request(req)
+    server.requests.append(req)
+    if idle:
+        heapq.heappush(busy, (server.clock.now(), server.index))
+
+
+def _run_until(cluster: _Cluster, busy: list[tuple[float, int]], until: float) -> None:
+    """Step servers, earliest clock first, until every busy server's clock has passed `until`."""
+    while busy and busy[0][0] <= until:
+        _, index = heapq.heappop(busy)
+        core: EngineCore = cluster.servers[index].core
+        core.step()
+        if core.has_unfinished():
+            heapq.heappush(busy, (core.clock.now(), index))
+
+
+def _mean_demand(trace: Trace, duration: float) -> dict[str, float]:
+    tokens: dict[str, float] = {}
+    for r in trace.requests:
+        if r.adapter is not None:
+            tokens[r.adapter] = tokens.get(r.adapter, 0.0) + r.prompt_len + r.output_len
+    return {a: t / duration for a, t in tokens.items()}
+
+
+def _collect(cluster: _Cluster, trace: Trace, duration: float, slo: Slo | None) -> ClusterRun:
+    results = [result_of(req, 0.0, req.adapter.name if req.adapter else None, server.id)
+               for server in cluster.servers for req in server.requests]
+    results.sort(key=lambda r: r.arrival_s)
+    end = max(s.clock.now() for s in cluster.servers)
+    summary = summarize(results, duration, end, slo, offered_tokens(trace))
+    by_server: dict[str, list[RequestResult]] = {}
+    for r in results:
+        by_server.setdefault(r.server, []).append(r)
+    per_server = [summarize(by_server[s.id], duration, s.clock.now()).starved
+                  for s in cluster.servers if s.id in by_server]
+    info = {"servers": len(cluster.servers), "placement": cluster.config.placement,
+            "placements": cluster.placements, "required_servers": cluster.required_servers,
+            "starved_servers": sum(per_server),
+            "requests_per_server": [len(s.requests) for s in cluster.servers],
+            "operating_points": {str(r): round(t, 1) for r, t in cluster.points.tokens_per_second.items()}}
+    return ClusterRun(results, summary, info)

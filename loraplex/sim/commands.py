@@ -1,0 +1,202 @@
+"""Arguments and entry points of `loraplex workload ...`, `loraplex sim ...` and `loraplex bench
+serve|report`. Only argparse is imported here; each command imports its module when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from loraplex.cli import CommandError
+
+
+def _load_spec(args: argparse.Namespace):
+    from loraplex.sim.workload import WorkloadSpec
+
+    doc: dict = {}
+    if args.spec:
+        import yaml
+
+        doc = yaml.safe_load(Path(args.spec).read_text()) or {}
+        doc = doc.get("workload", doc)
+    for key, value in (("seed", args.seed), ("duration_s", args.duration), ("rps", args.rps)):
+        if value is not None:
+            doc[key] = value
+    if args.adapters is not None:
+        doc.setdefault("adapters", {})["count"] = args.adapters
+    try:
+        return WorkloadSpec.model_validate(doc)
+    except ValueError as exc:
+        raise CommandError(f"invalid workload: {exc}") from None
+
+
+def workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None, help="workload YAML/JSON (docs/simulator.md); flags override it")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
+    p.add_argument("--rps", type=float, default=None, help="mean requests per second")
+    p.add_argument("--adapters", type=int, default=None, help="number of adapters")
+    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default ../shared/traces)")
+
+
+def generate_args(p: argparse.ArgumentParser) -> None:
+    workload_args(p)
+    p.add_argument("--out", required=True, help="trace file to write (JSONL)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from loraplex.sim.trace import write_trace
+    from loraplex.sim.workload import generate
+
+    spec = _load_spec(args)
+    try:
+        trace = generate(spec, args.traces_dir)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc)) from None
+    write_trace(trace, args.out)
+    print(f"wrote {len(trace.requests)} requests over {spec.duration_s:.0f} s to {args.out}")
+    return 0
+
+
+def stats_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace file (JSONL)")
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from loraplex.sim.trace_stats import trace_stats
+
+    print(json.dumps(trace_stats(_read(args.trace)), indent=2))
+    return 0
+
+
+def _read(path: str):
+    from loraplex.sim.trace import read_trace
+
+    try:
+        return read_trace(path)
+    except (OSError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+
+
+def sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="trace file (JSONL)")
+    p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
+    p.add_argument("--servers", type=int, default=1, help="servers; more than 1 runs the cluster mode")
+    p.add_argument("--placement", default="loraserve", help="cluster: placement policy")
+    p.add_argument("--interval", type=float, default=60.0, help="cluster: seconds between placements")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
+    p.add_argument("--slo-tpot", type=float, default=None, help="time-per-output-token SLO in seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write per-request results (JSONL, header = workload + summary)")
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    import time
+
+    from loraplex.sim.metrics import Slo
+    from loraplex.sim.profile import load_profile
+    from loraplex.sim.results import write_results
+
+    trace = _read(args.trace)
+    if args.max_requests:
+        trace = trace.head(args.max_requests)
+    try:
+        profile = load_profile(args.profile)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    overrides = {k: v for k, v in (("max_loras", args.max_loras), ("max_num_seqs", args.max_num_seqs)) if v}
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    started = time.perf_counter()
+    try:
+        results, summary, extra = _simulate(args, trace, profile, overrides, slo)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    wall = time.perf_counter() - started
+    doc = {"summary": summary.to_json(), "wall_s": wall, "speedup": summary.elapsed_s / max(wall, 1e-9)} | extra
+    print(json.dumps(doc, indent=2))
+    if args.out:
+        write_results(args.out, trace.workload, results, {"profile": profile.name, **doc})
+    return 1 if summary.starved else 0
+
+
+def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
+    if args.servers == 1:
+        from loraplex.sim.server import simulate_server
+
+        run = simulate_server(trace, profile, profile.engine_config(**overrides), slo)
+        return run.results, run.summary, {}
+    from loraplex.sim.cluster import ClusterConfig, simulate_cluster
+
+    cluster = ClusterConfig(servers=args.servers, placement=args.placement, interval_s=args.interval,
+                            seed=args.seed, engine_overrides=overrides)
+    run = simulate_cluster(trace, profile, cluster, slo)
+    return run.results, run.summary, run.info
+
+
+def serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--trace", required=True, help="trace file (JSONL)")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--model", default=None, help="model name for requests without an adapter")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--vocab-size", type=int, default=1000, help="random prompt token ids are drawn below this")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="results JSONL (default: results-<trace stem>.jsonl)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from loraplex.sim.loadgen import run
+
+    return run(args)
+
+
+def report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="results files of `bench serve` or `sim run --out`")
+    p.add_argument("--plots", default=None, help="folder for CDF and over-time PNGs (needs matplotlib)")
+    p.add_argument("--slo-ttft", type=float, default=None)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from loraplex.sim.report import run
+
+    return run(args)
+
+
+
+def plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
+    p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
+    p.add_argument("--compare", action="store_true",
+                   help="also find the servers replicate-all and random need at the same SLO (slow)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds for --compare")
+    p.add_argument("--oracle-duration", type=float, default=60.0, help="seconds of twin run per question")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from loraplex.sim.metrics import Slo
+    from loraplex.sim.operating_points import operating_points
+    from loraplex.sim.planner import PlanError, TwinOracle, WorkloadSummary, plan
+    from loraplex.sim.planner.compare import check_plan, min_servers
+    from loraplex.sim.profile import load_profile
+
+    trace, profile = _read(args.trace), load_profile(args.profile)
+    try:
+        result = plan(WorkloadSummary.from_trace(trace), profile, TwinOracle(profile, args.oracle_duration))
+    except PlanError as exc:
+        raise CommandError(str(exc)) from None
+    slo = Slo(args.slo_ttft)
+    verdict = check_plan(result, trace, profile, slo)
+    doc = {"gpus": result.num_gpus, "a_max": result.a_max, "starved_in_twin": verdict.starved,
+           "slo_attainment": verdict.slo_attainment, "assignment": result.assignment}
+    if args.compare:
+        points = operating_points(profile, sorted(set(trace.adapters().values())), trace)
+        target = min(0.95, verdict.slo_attainment)
+        doc["baselines"] = {policy: vars(min_servers(policy, trace, profile, slo, target, points=points))
+                            for policy in ("replicate-all", "random")}
+    print(json.dumps(doc, indent=2))
+    return 0

@@ -1,0 +1,93 @@
+"""The planner's two questions about one GPU: its throughput and whether it starves.
+
+`TwinOracle` answers by running the twin on a Poisson workload with the GPU's adapters; the
+trained surrogate (`surrogate.py`) answers the same questions from the paper's 7 features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from loraplex.sim.planner.workload import AdapterDemand
+from loraplex.sim.profile import Profile
+from loraplex.sim.server import simulate_server
+from loraplex.sim.trace import Trace, requests_from
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    adapters: tuple[AdapterDemand, ...]
+    a_max: int  # adapter slots on the GPU (max_loras)
+    prompt_len: float
+    output_len: float
+    length_rows: tuple[tuple[int, int], ...] = field(default=(), compare=False, hash=False)
+
+    def features(self) -> list[float]:
+        """The paper's 7 features: sum_rate, std_rate, max_size, mean_size, std_size, adapter_slots,
+        served_adapters (population standard deviations)."""
+        rates = np.asarray([a.rate_rps for a in self.adapters])
+        ranks = np.asarray([a.rank for a in self.adapters], dtype=float)
+        return [float(rates.sum()), float(rates.std()), float(ranks.max()), float(ranks.mean()),
+                float(ranks.std()), float(self.a_max), float(len(self.adapters))]
+
+
+class Oracle(Protocol):
+    def throughput(self, gpu: GpuLoad) -> float: ...
+
+    def starves(self, gpu: GpuLoad) -> bool: ...
+
+
+class TwinOracle:
+    """Runs the twin for every question (exact for the model, slower than a surrogate). Rates are
+    raised by `headroom` so that a GPU judged just short of starving on one random draw of the
+    workload does not starve on another."""
+
+    def __init__(self, profile: Profile, duration_s: float = 120.0, seed: int = 0, headroom: float = 1.1) -> None:
+        self.profile = profile
+        self.duration_s = duration_s
+        self.seed = seed
+        self.headroom = headroom
+        self._cache: dict[GpuLoad, tuple[float, bool]] = {}
+
+    def throughput(self, gpu: GpuLoad) -> float:
+        return self._run(gpu)[0]
+
+    def starves(self, gpu: GpuLoad) -> bool:
+        return self._run(gpu)[1]
+
+    def _run(self, gpu: GpuLoad) -> tuple[float, bool]:
+        if not fits_memory(self.profile, gpu.a_max, max(a.rank for a in gpu.adapters)):
+            return 0.0, True  # a memory error: the paper treats it like starvation
+        if gpu not in self._cache:
+            trace = poisson_trace(gpu, self.duration_s, self.seed, self.headroom)
+            config = self.profile.engine_config(max_loras=gpu.a_max)
+            summary = simulate_server(trace, self.profile, config, horizon_s=1.5 * self.duration_s).summary
+            self._cache[gpu] = (summary.throughput_tokens_per_s, summary.starved)
+        return self._cache[gpu]
+
+
+def fits_memory(profile: Profile, slots: int, max_rank: int) -> bool:
+    """No memory error: the KV cache left after the adapter slots holds one full-length request."""
+    return profile.memory.kv_tokens(slots, max_rank) >= int(profile.engine["max_model_len"])
+
+
+def poisson_trace(gpu: GpuLoad, duration_s: float, seed: int, rate_factor: float = 1.0) -> Trace:
+    """Each adapter's own Poisson stream at its rate (x rate_factor); lengths drawn from the
+    workload's rows, or the means when there are none."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for a in gpu.adapters:
+        rate = a.rate_rps * rate_factor
+        times = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s * 1.5) + 10))
+        rows += [(float(t), a.name, a.rank) for t in times[times < duration_s]]
+    rows.sort()
+    if gpu.length_rows:
+        picks = rng.integers(0, len(gpu.length_rows), len(rows))
+        lengths = [gpu.length_rows[i] for i in picks]
+    else:
+        lengths = [(max(1, round(gpu.prompt_len)), max(1, round(gpu.output_len)))] * len(rows)
+    return Trace(requests_from((t, name, rank, p, o) for (t, name, rank), (p, o) in zip(rows, lengths, strict=True)),
+                 {"duration_s": duration_s})

@@ -1,0 +1,90 @@
+"""A profile: the fitted step-latency model of one (model, hardware, engine settings) triple.
+
+A profile is a versioned JSON file written by `loraplex profile` (which runs the real engine) and
+read by the simulator. Step latency is linear in the features of `loraplex.sim.features`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from loraplex.engine.config import EngineConfig
+from loraplex.sim.features import FEATURES, StepFeatures
+
+PROFILE_VERSION = 1
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+class FitReport(BaseModel):
+    samples: int
+    r2: float
+    mape: float  # mean absolute percentage error of the step latency on the samples
+    total_time_error: float  # (predicted - measured) summed step time / measured
+
+
+class Memory(BaseModel):
+    """Device memory in KV tokens: adapter slots (max_loras x max_lora_rank) take from the KV cache."""
+
+    kv_tokens_base: int = Field(ge=1)  # KV tokens with no adapter slots
+    kv_tokens_per_slot_rank: float = Field(0.0, ge=0)  # KV tokens one slot of rank 1 costs
+
+    def kv_tokens(self, max_loras: int, max_lora_rank: int) -> int:
+        return int(self.kv_tokens_base - self.kv_tokens_per_slot_rank * max_loras * max_lora_rank)
+
+
+class Profile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    profile_version: int = PROFILE_VERSION
+    name: str
+    model: str  # what was profiled, e.g. "tiny-llama (hidden 256, 4 layers)"
+    hardware: str
+    engine: dict  # the EngineConfig fields the profile was taken with
+    memory: Memory
+    coefficients: dict[str, float]  # seconds per unit of each feature
+    fit: FitReport | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Profile:
+        if self.profile_version != PROFILE_VERSION:
+            raise ValueError(f"profile_version {self.profile_version} is not supported "
+                             f"(this loraplex reads version {PROFILE_VERSION})")
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown latency terms {sorted(unknown)}; known: {list(FEATURES)}")
+        return self
+
+    def weights(self) -> list[float]:
+        return [self.coefficients.get(name, 0.0) for name in FEATURES]
+
+    def step_seconds(self, features: StepFeatures) -> float:
+        return sum(w * x for w, x in zip(self.weights(), features.vector(), strict=True))
+
+    def engine_config(self, **overrides: int | str) -> EngineConfig:
+        """The engine settings of the profile, with the KV cache sized from memory."""
+        fields = {**self.engine, **overrides}
+        if "num_blocks" not in overrides:
+            tokens = self.memory.kv_tokens(int(fields["max_loras"]), int(fields["max_lora_rank"]))
+            fields["num_blocks"] = max(1, tokens // int(fields["block_size"]))
+        return EngineConfig(**fields)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A profile file, or the name of a shipped one (e.g. "cpu-tiny")."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        shipped = PROFILES_DIR / f"{name_or_path}.json"
+        if not shipped.is_file():
+            raise FileNotFoundError(f"profile {name_or_path!r} not found (neither a file nor one of "
+                                    f"{sorted(p.stem for p in PROFILES_DIR.glob('*.json'))})")
+        path = shipped
+    try:
+        return Profile.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a valid profile: {exc}") from None

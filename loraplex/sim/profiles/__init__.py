@@ -1,0 +1,1 @@
+"""Shipped latency profiles (JSON), found by name: `--profile cpu-tiny`."""

@@ -1,0 +1,84 @@
+"""Feed a trace into an EngineCore at its arrival times and step it until every request is done.
+
+The same loop drives the twin (a virtual clock that jumps to the next arrival when the engine is
+idle) and the real engine (wall time: it sleeps until the next arrival), so both see requests
+exactly alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplex.engine.core import EngineCore
+from loraplex.engine.request import Request
+from loraplex.engine.sampling import SamplingParams
+from loraplex.sim.trace import Trace, TraceRequest
+from loraplex.spec.adapter import AdapterId, AdapterInfo
+
+Prompt = Callable[[TraceRequest], list[int]]
+WaitUntil = Callable[[float], None]
+
+
+def check_fits(trace: Trace, max_model_len: int, max_lora_rank: int) -> None:
+    """The twin refuses a trace the engine would reject, rather than fail half-way through it."""
+    longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
+    if longest > max_model_len:
+        raise ValueError(f"the trace has a request of {longest} tokens but the engine's max_model_len is "
+                         f"{max_model_len}; generate it with lengths.max_model_len <= {max_model_len}")
+    top = max((r.rank for r in trace.requests), default=0)
+    if top > max_lora_rank:
+        raise ValueError(f"the trace has rank-{top} adapters but the engine's max_lora_rank is {max_lora_rank}")
+
+
+def sim_adapter_id(name: str) -> AdapterId:
+    return AdapterId(name, f"sha256:sim-{name}")
+
+
+def register_adapters(core: EngineCore, adapters: dict[str, int], ids: dict[str, AdapterId] | None = None,
+                      bytes_per_rank: int = 0) -> dict[str, AdapterId]:
+    """Add each (name -> rank) adapter to the engine; returns name -> AdapterId."""
+    ids = dict(ids or {})
+    for name, rank in adapters.items():
+        ids.setdefault(name, sim_adapter_id(name))
+        core.add_adapter(AdapterInfo(ids[name], rank, rank * bytes_per_rank))
+    return ids
+
+
+def make_request(request: TraceRequest, origin: float, adapter: AdapterId | None, prompt: Prompt) -> Request:
+    return Request(request.request_id, prompt(request),
+                   SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0),
+                   adapter=adapter, arrival_time=origin + request.arrival_s)
+
+
+@dataclass
+class ReplayLog:
+    requests: list[Request]  # every request of the trace, with its timestamps filled in
+    origin: float  # clock reading at trace time 0
+    end: float  # clock reading when the last request finished (or the horizon was hit)
+
+
+def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Prompt,
+           wait_until: WaitUntil, horizon_s: float | None = None) -> ReplayLog:
+    """Run `trace` to completion, or until `horizon_s` of trace time has passed."""
+    clock = core.clock
+    origin = clock.now()
+    pending = trace.requests
+    admitted: list[Request] = []
+    i, n = 0, len(pending)
+    while i < n or core.has_unfinished():
+        now = clock.now()
+        if horizon_s is not None and now - origin >= horizon_s:
+            break
+        while i < n and origin + pending[i].arrival_s <= now:
+            r = pending[i]
+            request = make_request(r, origin, ids[r.adapter] if r.adapter else None, prompt)
+            core.add_request(request)
+            admitted.append(request)
+            i += 1
+        if core.has_unfinished():
+            if not core.step() and core.scheduler.num_running == 0 and core.has_unfinished():
+                raise RuntimeError("the engine admits none of its waiting requests while idle")
+        elif i < n:
+            wait_until(origin + pending[i].arrival_s)
+    return ReplayLog(admitted, origin, clock.now())

@@ -1,0 +1,97 @@
+"""The commands end to end: workload generate -> sim run -> bench report, and bench serve against
+a real agent (tiny model) over HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from loraplex.cli import main
+from loraplex.sim.results import read_results
+from loraplex.sim.trace import read_trace
+
+
+def test_generate_simulate_report(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "generate", "--rps", "2", "--duration", "30", "--adapters", "8",
+                 "--out", str(trace)]) == 0
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("lengths: {profile: fixed, prompt_len: 32, output_len: 8}\nadapters: {count: 4}\n")
+    assert main(["workload", "generate", "--spec", str(spec), "--rps", "3", "--duration", "20",
+                 "--out", str(trace)]) == 0
+    assert read_trace(trace).workload["lengths"]["prompt_len"] == 32
+    capsys.readouterr()
+    out = tmp_path / "sim.jsonl"
+    assert main(["sim", "run", "--trace", str(trace), "--profile", "cpu-tiny", "--slo-ttft", "2",
+                 "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["summary"]["finished"] == doc["summary"]["requests"] > 30
+    header, results = read_results(out)
+    assert header["workload"]["rps"] == 3 and len(results) == doc["summary"]["requests"]
+    assert main(["bench", "report", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "ttft.png").is_file()
+
+
+def test_cluster_mode_runs_the_router_and_placement(tmp_path, capsys):
+    trace, spec = tmp_path / "t.jsonl", tmp_path / "spec.yaml"
+    spec.write_text("lengths: {scale: 0.125, max_model_len: 2048}\n")
+    main(["workload", "generate", "--spec", str(spec), "--rps", "6", "--duration", "40", "--adapters", "16",
+          "--out", str(trace)])
+    capsys.readouterr()
+    assert main(["sim", "run", "--trace", str(trace), "--servers", "3", "--interval", "15"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["placements"] == 3 and doc["servers"] == 3
+    assert sum(doc["requests_per_server"]) == doc["summary"]["requests"]
+
+
+def test_bad_input_gets_a_clear_error(tmp_path, capsys):
+    assert main(["sim", "run", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert main(["workload", "generate", "--rps", "-1", "--out", str(tmp_path / "x")]) == 2
+    assert "invalid workload" in capsys.readouterr().err
+    long = tmp_path / "long.jsonl"
+    long.write_text('{"trace_version": 1, "workload": {}}\n'
+                    '{"request_id": "r", "arrival_s": 0, "adapter": null, "rank": 0, "prompt_len": 3000, "output_len": 9}\n')
+    assert main(["sim", "run", "--trace", str(long)]) == 2
+    assert "max_model_len is 2048" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_serve_against_a_real_agent(tiny_model, free_port, tmp_path, capsys):
+    pytest.importorskip("torch")
+    port = free_port()
+    name, path = next(iter(tiny_model.adapters.items()))
+    agent = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "agent", "--model", str(tiny_model.base_dir),
+                              "--port", str(port), "--adapter", f"{name}={path}", "--max-model-len", "512"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(port, agent)
+        trace = tmp_path / "t.jsonl"
+        trace.write_text('{"trace_version": 1, "workload": {"duration_s": 1.0}}\n' + "".join(
+            json.dumps({"request_id": f"r{i}", "arrival_s": i * 0.2, "adapter": name, "rank": 8,
+                        "prompt_len": 20, "output_len": 5}) + "\n" for i in range(5)))
+        out = tmp_path / "res.jsonl"
+        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--trace", str(trace),
+                     "--max-requests", "4", "--out", str(out), "--quiet"]) == 0
+        _, results = read_results(out)
+        assert len(results) == 4 and all(r.generated == 5 and 0 < r.ttft_s <= r.e2e_s for r in results)
+    finally:
+        agent.terminate()
+        agent.wait(timeout=30)
+
+
+def _wait_healthy(port: int, process: subprocess.Popen) -> None:
+    for _ in range(600):
+        if process.poll() is not None:
+            raise RuntimeError("the agent exited during start-up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("the agent did not become healthy in 60 s")

@@ -1,0 +1,67 @@
+"""The minimum-GPU planner: greedy FFD with testing points over a twin oracle or the ML surrogate."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.sim.metrics import Slo
+from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadSummary, plan
+from loraplex.sim.planner.compare import check_plan
+from loraplex.sim.planner.greedy import priority_sort
+from loraplex.sim.profile import Memory, Profile
+from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
+
+ENGINE = dict(max_model_len=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+              max_loras=8, max_lora_rank=64, scheduler="fifo", residency="lru")
+PROFILE = Profile(name="test", model="m", hardware="h", engine=ENGINE,
+                  memory=Memory(kv_tokens_base=65536, kv_tokens_per_slot_rank=8.0),
+                  coefficients={"intercept": 0.005, "batch": 2e-4, "prefill_tokens": 1e-4, "loads": 0.01,
+                                "load_rank_sum": 2e-4})
+
+
+def workload(rps: float, adapters: int, seed: int = 0) -> WorkloadSpec:
+    return WorkloadSpec(seed=seed, duration_s=120, rps=rps, lengths=Lengths(profile="fixed", prompt_len=96, output_len=24),
+                        adapters=Adapters(count=adapters, popularity={"mode": "zipf", "zipf_s": 0.8}))
+
+
+def test_priority_order_is_rank_descending_with_zigzag_rates():
+    adapters = tuple(AdapterDemand(f"a{i}", r, rate) for i, (r, rate) in
+                     enumerate([(8, 1.0), (8, 3.0), (8, 2.0), (16, 0.5), (16, 0.1), (8, 4.0)]))
+    assert [a.name for a in priority_sort(adapters)] == ["a3", "a4", "a5", "a0", "a1", "a2"]
+
+
+def test_plans_never_starve_in_the_twin():
+    for rps, count in ((20.0, 40), (40.0, 80)):
+        trace = generate(workload(rps, count))
+        result = plan(WorkloadSummary.from_trace(trace), PROFILE, TwinOracle(PROFILE, duration_s=60))
+        verdict = check_plan(result, trace, PROFILE, Slo(ttft_s=2.0))
+        assert not verdict.starved
+        assert sorted(result.assignment) == sorted(trace.adapters())
+        assert 1 <= result.num_gpus < count and all(a >= 8 for a in result.a_max)
+
+
+def test_more_load_needs_more_gpus():
+    light = plan(WorkloadSummary.from_trace(generate(workload(5.0, 40))), PROFILE, TwinOracle(PROFILE, 60))
+    heavy = plan(WorkloadSummary.from_trace(generate(workload(200.0, 40))), PROFILE, TwinOracle(PROFILE, 60))
+    assert light.num_gpus < heavy.num_gpus
+
+
+def test_an_adapter_that_overloads_a_gpu_alone_is_an_error():
+    summary = WorkloadSummary((AdapterDemand("hot", 8, 500.0), AdapterDemand("cold", 8, 0.1)), 96, 24)
+    with pytest.raises(PlanError, match="adapter hot .* starves a GPU on its own"):
+        plan(summary, PROFILE, TwinOracle(PROFILE, 20))
+    with pytest.raises(PlanError, match="left over after 1 GPUs"):
+        plan(WorkloadSummary.from_trace(generate(workload(200.0, 40))), PROFILE, TwinOracle(PROFILE, 60), max_gpus=1)
+
+
+def test_the_surrogate_learns_from_twin_runs():
+    pytest.importorskip("sklearn")
+    from loraplex.sim.planner.surrogate import distill, train_surrogate, twin_dataset
+
+    x, tps, starved = twin_dataset(PROFILE, 30, 96, 24, rate_scale=1.0, duration_s=10)
+    assert x.shape == (30, 7) and 0 < starved.sum() < 30
+    light = WorkloadSummary.from_trace(generate(workload(2.0, 16)))
+    for model in (train_surrogate(x, tps, starved), distill(x, tps, starved, max_depth=3)):
+        assert (model.classifier.predict(x) == starved).mean() > 0.9
+        result = plan(light, PROFILE, model)
+        assert sorted(result.assignment) == sorted(a.name for a in light.adapters)
