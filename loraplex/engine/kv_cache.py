@@ -25,9 +25,9 @@ class KVCacheManager:
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's block table to hold `num_new_tokens` more tokens; False if memory is short."""
+        if request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
+            return True  # the common decode step: the last block still has room
         needed = self.blocks_needed(request, num_new_tokens)
-        if needed == 0:
-            return True
         pages = self.pool.allocate(needed, PageKind.KV)
         if pages is None:
             return False

@@ -12,14 +12,14 @@ NO_ADAPTER_SLOT = -1
 """`ScheduledChunk.adapter_slot` of a request that runs on the base model alone."""
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step: a prefill chunk, or the last token for a decode."""
 
     request_id: str
     token_ids: list[int]  # tokens to run this step, at positions start_position..
     start_position: int  # tokens of this request already in the KV cache
-    block_ids: list[int]  # the request's whole block table, covering start_position + len(token_ids)
+    block_ids: list[int]  # the request's block table, covering start_position + len(token_ids); read-only, this step only
     adapter_slot: int  # device slot of the request's adapter, or NO_ADAPTER_SLOT
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sampling: SamplingParams
@@ -62,7 +62,7 @@ class ExecutorResult:
     elapsed_s: float = 0.0  # time the step took (measured, or modelled by a simulated executor)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What a step produced for one request, sent to the frontend."""
 

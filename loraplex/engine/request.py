@@ -22,7 +22,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float | None = None
@@ -61,6 +61,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, count: int) -> list[int]:
+        """`all_token_ids[start:start + count]` without building the whole list (a decode step
+        asks for the last token only)."""
+        prompt = self.prompt_token_ids
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):start - len(prompt) + count]
+        return (prompt + self.output_token_ids)[start:start + count]
 
     @property
     def is_finished(self) -> bool:

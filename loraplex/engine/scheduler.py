@@ -26,7 +26,7 @@ from loraplex.engine.messages import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import FinishReason, Request, RequestStatus, SampledToken
 from loraplex.engine.stopping import finish_reason
 from loraplex.spec.adapter import AdapterId
 
@@ -119,13 +119,19 @@ class FifoScheduler:
     def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
         outputs = []
         now = self.clock.now()
+        requests, running = self.requests, RequestStatus.RUNNING
+        finished = False
         for chunk in output.chunks:
-            request = self.requests.get(chunk.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(chunk.request_id)
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += chunk.num_tokens
+            request.num_computed_tokens += len(chunk.token_ids)
             if chunk.sample:
-                outputs.append(self._append_token(request, result, now))
+                out = self._append_token(request, result.sampled[request.request_id], now)
+                finished = finished or out.finished
+                outputs.append(out)
+        if finished:  # one pass instead of a list.remove per finished request
+            self.running = [r for r in self.running if r.status is running]
         return outputs
 
     # ---- scheduling -------------------------------------------------------------------------
@@ -136,7 +142,8 @@ class FifoScheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            num_tokens = min(known - request.num_computed_tokens, budget)
             if self._allocate_or_preempt(request, num_tokens, out):
                 out.chunks.append(self._chunk(request, num_tokens))
                 budget -= num_tokens
@@ -172,16 +179,11 @@ class FifoScheduler:
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
+        num_output = len(request.output_token_ids)
         return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_tokens],
-            start_position=start,
-            block_ids=list(request.block_ids),
-            adapter_slot=self._slots.get(request.request_id, NO_ADAPTER_SLOT),
-            sample=start + num_tokens == request.num_tokens,
-            sampling=request.sampling,
-            num_output_tokens=len(request.output_token_ids),
-        )
+            request.request_id, request.token_slice(start, num_tokens), start, request.block_ids,
+            self._slots.get(request.request_id, NO_ADAPTER_SLOT),
+            start + num_tokens == len(request.prompt_token_ids) + num_output, request.sampling, num_output)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -225,20 +227,16 @@ class FifoScheduler:
 
     # ---- results ----------------------------------------------------------------------------
 
-    def _append_token(self, request: Request, result: ExecutorResult, now: float) -> RequestOutput:
-        token = result.sampled[request.request_id]
+    def _append_token(self, request: Request, token: SampledToken, now: float) -> RequestOutput:
         request.output_token_ids.append(token.token_id)
         request.output_logprobs.append(token)
         if request.first_token_time is None:
             request.first_token_time = now
         reason = finish_reason(request, self.config.max_model_len)
         if reason is not None:
-            self.running.remove(request)
-            self._finish(request, reason)
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=[token.token_id], new_logprobs=[token],
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=len(request.output_token_ids),
-            finished=reason is not None, finish_reason=reason)
+            self._finish(request, reason)  # update() drops it from the running list
+        return RequestOutput(request.request_id, [token.token_id], [token], len(request.prompt_token_ids),
+                             len(request.output_token_ids), reason is not None, reason)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.block_ids:

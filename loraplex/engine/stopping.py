@@ -6,14 +6,14 @@ from loraplex.engine.request import FinishReason, Request
 
 
 def finish_reason(request: Request, max_model_len: int) -> FinishReason | None:
+    """Runs once per generated token, hence the flat checks."""
     params = request.sampling
-    num_output = len(request.output_token_ids)
-    last = request.output_token_ids[-1]
+    output = request.output_token_ids
+    num_output = len(output)
     if num_output >= params.min_tokens:
-        if not params.ignore_eos and last in request.eos_token_ids:
+        last = output[-1]
+        if (last in request.eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
             return FinishReason.STOP
-        if last in params.stop_token_ids:
-            return FinishReason.STOP
-    if num_output >= params.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= params.max_tokens or len(request.prompt_token_ids) + num_output >= max_model_len:
         return FinishReason.LENGTH
     return None
