@@ -25,6 +25,10 @@ def register(registry: CommandRegistry) -> None:
                  sim.serve_args, sim.run_serve)
     registry.add("bench report", "percentile table and CDF/over-time plots of results files",
                  sim.report_args, sim.run_report)
+    from loraplex.sim import placement_twin_cli as placement_twin  # argparse-only
+
+    registry.add("bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",
+                 placement_twin.configure, placement_twin.run)
 
 
 def _bench_placement() -> ModuleType:
