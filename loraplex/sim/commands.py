@@ -171,32 +171,21 @@ def run_report(args: argparse.Namespace) -> int:
 def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapter slots per server for every policy; the planner's A_max may be lower "
+                        "(default: the profile's max_loras)")
     p.add_argument("--compare", action="store_true",
                    help="also find the servers replicate-all and random need at the same SLO (slow)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds for --compare")
+    p.add_argument("--slo-target", type=float, default=0.95,
+                   help="--compare: baselines must reach min(this, the plan's SLO attainment)")
+    p.add_argument("--random-seeds", type=int, default=3, help="--compare: seeds of random placement (median)")
     p.add_argument("--oracle-duration", type=float, default=60.0, help="seconds of twin run per question")
+    p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
+    p.add_argument("--out", default=None, help="also write the JSON result here")
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from loraplex.sim.metrics import Slo
-    from loraplex.sim.operating_points import operating_points
-    from loraplex.sim.planner import PlanError, TwinOracle, WorkloadSummary, plan
-    from loraplex.sim.planner.compare import check_plan, min_servers
-    from loraplex.sim.profile import load_profile
+    from loraplex.sim.planner.cli import run
 
-    trace, profile = _read(args.trace), load_profile(args.profile)
-    try:
-        result = plan(WorkloadSummary.from_trace(trace), profile, TwinOracle(profile, args.oracle_duration))
-    except PlanError as exc:
-        raise CommandError(str(exc)) from None
-    slo = Slo(args.slo_ttft)
-    verdict = check_plan(result, trace, profile, slo)
-    doc = {"gpus": result.num_gpus, "a_max": result.a_max, "starved_in_twin": verdict.starved,
-           "slo_attainment": verdict.slo_attainment, "assignment": result.assignment}
-    if args.compare:
-        points = operating_points(profile, sorted(set(trace.adapters().values())), trace)
-        target = min(0.95, verdict.slo_attainment)
-        doc["baselines"] = {policy: vars(min_servers(policy, trace, profile, slo, target, points=points))
-                            for policy in ("replicate-all", "random")}
-    print(json.dumps(doc, indent=2))
-    return 0
+    return run(args)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from loraplex.cli import main
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadSummary, plan
 from loraplex.sim.planner.compare import check_plan
 from loraplex.sim.planner.greedy import priority_sort
 from loraplex.sim.profile import Memory, Profile
+from loraplex.sim.trace import write_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
 
 ENGINE = dict(max_model_len=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
@@ -40,9 +44,34 @@ def test_plans_never_starve_in_the_twin():
         assert 1 <= result.num_gpus < count and all(a >= 8 for a in result.a_max)
 
 
+def test_slot_cap_bounds_a_max_and_the_plan_still_does_not_starve():
+    trace = generate(workload(30.0, 120))
+    result = plan(WorkloadSummary.from_trace(trace), PROFILE, TwinOracle(PROFILE, duration_s=60), max_slots=12)
+    assert max(result.a_max) <= 12
+    assert not check_plan(result, trace, PROFILE, Slo(ttft_s=2.0)).starved
+    with pytest.raises(ValueError, match="max_slots"):
+        plan(WorkloadSummary.from_trace(trace), PROFILE, max_slots=0)
+
+
+def test_plan_command_compares(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(generate(workload(15.0, 40)), trace)
+    out = tmp_path / "plan.json"
+    assert main(["sim", "plan", "--trace", str(trace), "--profile", "cpu-tiny", "--max-loras", "8", "--compare",
+                 "--random-seeds", "2", "--oracle-duration", "30", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc == json.loads(capsys.readouterr().out)
+    assert not doc["planner"]["starved_in_twin"] and max(doc["planner"]["a_max"]) <= 8
+    assert doc["slo_target"] == min(0.95, doc["planner"]["slo_attainment"]) and "assignment" not in doc
+    baselines = doc["baselines"]
+    assert len(baselines["replicate-all"]["per_seed"]) == 1 and len(baselines["random"]["per_seed"]) == 2
+    for b in baselines.values():  # each count is the fewest servers that reach the same SLO target
+        assert b["gpus"] >= 1 and min(b["slo_attainment"]) >= doc["slo_target"]
+
+
 def test_more_load_needs_more_gpus():
-    light = plan(WorkloadSummary.from_trace(generate(workload(5.0, 40))), PROFILE, TwinOracle(PROFILE, 60))
-    heavy = plan(WorkloadSummary.from_trace(generate(workload(200.0, 40))), PROFILE, TwinOracle(PROFILE, 60))
+    light = plan(WorkloadSummary.from_trace(generate(workload(5.0, 40))), PROFILE, TwinOracle(PROFILE, 30))
+    heavy = plan(WorkloadSummary.from_trace(generate(workload(100.0, 40))), PROFILE, TwinOracle(PROFILE, 30))
     assert light.num_gpus < heavy.num_gpus
 
 

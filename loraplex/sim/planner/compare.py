@@ -1,21 +1,27 @@
 """GPUs needed at the same SLO: the planner's plan against replicate-all and random placement.
 
-The plan is checked as it would be deployed (one engine per GPU with A_max slots, each adapter
-routed to its GPU): no GPU may starve. The baselines' count is the fewest servers with which the
-cluster twin (real router and placement code) neither starves nor misses the SLO target.
+Every policy gets the same servers: the profile's hardware with `max_loras` adapter slots each (the
+planner may choose fewer per GPU, never more). The plan is checked as it would be deployed (one
+engine per GPU with its A_max slots, each adapter routed to its GPU): no GPU may starve. A
+baseline's count is the fewest servers with which the cluster twin (real router, placement,
+scheduler and LRU slot residency, adapter loads charged by the profile) neither starves (in total
+or on any server) nor falls below the target SLO attainment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import asdict, dataclass
 
 from loraplex.placement import OperatingPoints
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
-from loraplex.sim.metrics import RequestResult, Slo, summarize
+from loraplex.sim.metrics import RequestResult, Slo, summarize, trace_duration
 from loraplex.sim.planner.greedy import Plan
 from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace
+
+BASELINES = ("replicate-all", "random")
 
 
 @dataclass
@@ -25,10 +31,18 @@ class Verdict:
     slo_attainment: float
 
 
+@dataclass
+class Baseline:
+    policy: str
+    gpus: int  # replicate-all: its count; random: the median over seeds
+    per_seed: list[int]
+    slo_attainment: list[float]  # at the chosen count, per seed
+
+
 def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
     results: list[RequestResult] = []
     starved = False
-    duration = float(trace.workload.get("duration_s") or trace.duration_s)
+    duration = trace_duration(trace)
     for gpu in range(plan.num_gpus):
         names = set(plan.gpu_adapters(gpu))
         part = Trace([r for r in trace.requests if r.adapter in names], {"duration_s": duration})
@@ -41,14 +55,49 @@ def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
     return Verdict(plan.num_gpus, starved, attainment)
 
 
-def min_servers(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, start: int = 1,
-                limit: int = 256, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
-    """The fewest servers with which `policy` neither starves nor falls below `target` attainment."""
-    servers = start
-    while servers <= limit:
-        run = simulate_cluster(trace, profile, ClusterConfig(servers, placement=policy, interval_s=1e9, seed=seed,
-                                                              operating_points=points), slo)
-        if not run.summary.starved and run.info["starved_servers"] == 0 and run.summary.slo_attainment >= target:
-            return Verdict(servers, False, run.summary.slo_attainment)
-        servers += 1
+def cluster_verdict(policy: str, servers: int, trace: Trace, profile: Profile, slo: Slo, target: float,
+                    max_loras: int, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
+    """`starved` is True when the cluster starves, any server starves, or attainment < target."""
+    config = ClusterConfig(servers, placement=policy, interval_s=1e9, seed=seed,
+                           engine_overrides={"max_loras": max_loras}, operating_points=points)
+    run = simulate_cluster(trace, profile, config, slo)
+    attainment = run.summary.slo_attainment or 0.0
+    failed = run.summary.starved or run.info["starved_servers"] > 0 or attainment < target
+    return Verdict(servers, failed, attainment)
+
+
+def min_servers(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, max_loras: int,
+                start: int = 1, limit: int = 256, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
+    """The fewest servers with which `policy` passes (`cluster_verdict`). The search starts at `start`
+    and walks down while it passes, or up until it does: it assumes more servers never hurt."""
+    def at(n: int) -> Verdict:
+        return cluster_verdict(policy, n, trace, profile, slo, target, max_loras, seed, points)
+
+    verdict = at(start)
+    if not verdict.starved:
+        while verdict.gpus > 1 and not (lower := at(verdict.gpus - 1)).starved:
+            verdict = lower
+        return verdict
+    for servers in range(start + 1, limit + 1):
+        verdict = at(servers)
+        if not verdict.starved:
+            return verdict
     raise RuntimeError(f"{policy}: still starving or below the SLO with {limit} servers")
+
+
+def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, max_loras: int, start: int,
+                      random_seeds: int = 3, points: OperatingPoints | None = None) -> list[Baseline]:
+    """replicate-all once (its placement does not depend on the seed; routing does, slightly) and
+    random once per seed, reporting the median count."""
+    out = []
+    for policy in BASELINES:
+        seeds = range(random_seeds if policy == "random" else 1)
+        runs = [min_servers(policy, trace, profile, slo, target, max_loras, start, seed=s, points=points)
+                for s in seeds]
+        counts = [r.gpus for r in runs]
+        out.append(Baseline(policy, int(statistics.median_low(counts)), counts, [r.slo_attainment for r in runs]))
+    return out
+
+
+def baseline_json(baseline: Baseline) -> dict:
+    return asdict(baseline)

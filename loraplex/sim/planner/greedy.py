@@ -50,8 +50,11 @@ def priority_sort(adapters: tuple[AdapterDemand, ...]) -> list[AdapterDemand]:
 
 
 def plan(workload: WorkloadSummary, profile: Profile, oracle: Oracle | None = None,
-         max_gpus: int | None = None) -> Plan:
-    """The fewest GPUs (and each GPU's A_max) on which no GPU starves, by the oracle's answers."""
+         max_gpus: int | None = None, max_slots: int | None = None) -> Plan:
+    """The fewest GPUs (and each GPU's A_max) on which no GPU starves, by the oracle's answers.
+    `max_slots` caps A_max (the adapter slots a GPU's memory holds) on top of the profile's memory model."""
+    if max_slots is not None and max_slots < 1:
+        raise ValueError(f"max_slots must be at least 1, got {max_slots}")
     oracle = oracle or TwinOracle(profile)
     queue = deque(priority_sort(workload.adapters))
     assignment: dict[str, int] = {}
@@ -60,7 +63,7 @@ def plan(workload: WorkloadSummary, profile: Profile, oracle: Oracle | None = No
     while queue:
         if max_gpus is not None and len(a_max) >= max_gpus:
             raise PlanError(f"{len(queue)} adapters left over after {max_gpus} GPUs")
-        committed, slots, tps = _fill_gpu(queue, workload, profile, oracle)
+        committed, slots, tps = _fill_gpu(queue, workload, profile, oracle, max_slots)
         for adapter in committed:
             assignment[adapter.name] = len(a_max)
         a_max.append(slots)
@@ -68,8 +71,8 @@ def plan(workload: WorkloadSummary, profile: Profile, oracle: Oracle | None = No
     return Plan(assignment, a_max, throughput)
 
 
-def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: Profile, oracle: Oracle
-              ) -> tuple[list[AdapterDemand], int, float]:
+def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: Profile, oracle: Oracle,
+              max_slots: int | None) -> tuple[list[AdapterDemand], int, float]:
     committed: list[AdapterDemand] = []
     slots, tps = 0, 0.0
     for point in TESTING_POINTS:
@@ -78,7 +81,8 @@ def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: P
         take = point - len(committed)
         while True:
             provisional = [queue.popleft() for _ in range(min(take, len(queue)))]
-            ok, new_slots, new_tps = _test(committed + provisional, slots, point, workload, profile, oracle)
+            ok, new_slots, new_tps = _test(committed + provisional, slots, point, workload, profile, oracle,
+                                           max_slots)
             if ok:
                 committed += provisional
                 slots, tps = new_slots, new_tps
@@ -94,10 +98,11 @@ def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: P
 
 
 def _test(adapters: list[AdapterDemand], slots: int, point: int, workload: WorkloadSummary, profile: Profile,
-          oracle: Oracle) -> tuple[bool, int, float]:
+          oracle: Oracle, max_slots: int | None) -> tuple[bool, int, float]:
     """Algorithm 2: keep A_max or step it up one position, whichever gives more throughput; then
     ask whether the GPU starves."""
-    candidates = [p for p in _next_slots(slots, point) if fits_memory(profile, p, max(a.rank for a in adapters))]
+    candidates = [p for p in _next_slots(slots, point, max_slots)
+                  if fits_memory(profile, p, max(a.rank for a in adapters))]
     if not candidates:
         return False, slots, 0.0
     loads = [GpuLoad(tuple(adapters), p, workload.prompt_len, workload.output_len, workload.length_rows)
@@ -109,8 +114,8 @@ def _test(adapters: list[AdapterDemand], slots: int, point: int, workload: Workl
     return True, best.a_max, tps
 
 
-def _next_slots(slots: int, point: int) -> list[int]:
+def _next_slots(slots: int, point: int, max_slots: int | None) -> list[int]:
     bigger = [p for p in TESTING_POINTS if p > slots]
-    step = [min(bigger[0], point)] if bigger else []
+    step = [min(bigger[0], point, max_slots or point)] if bigger else []
     return ([slots] if slots else []) + [p for p in step if p != slots]
 
