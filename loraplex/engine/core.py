@@ -99,15 +99,17 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        output = self.scheduler.schedule()
-        if output.is_empty and not output.finished_request_ids:
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        if not output.chunks and output.is_empty and not output.finished_request_ids:
             return []
-        result = self.executor.execute(output)
-        outputs = self.scheduler.update(output, result)
+        outputs = scheduler.update(output, self.executor.execute(output))
         self._steps += 1
         self._adapter_loads += len(output.adapter_loads)
         self._generation_tokens += len(outputs)
-        self._prompt_tokens += sum(o.num_prompt_tokens for o in outputs if o.num_output_tokens == 1)
+        for o in outputs:  # a loop, not sum(generator): this runs every step
+            if o.num_output_tokens == 1:
+                self._prompt_tokens += o.num_prompt_tokens
         return outputs
 
     def stats(self) -> EngineStats:

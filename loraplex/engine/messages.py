@@ -30,7 +30,7 @@ class ScheduledChunk:
         return len(self.token_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class AdapterLoad:
     """Copy an adapter's weights into a device slot before this step runs."""
 
@@ -39,7 +39,7 @@ class AdapterLoad:
     rank: int
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     adapter_loads: list[AdapterLoad] = field(default_factory=list)
@@ -56,7 +56,7 @@ class SchedulerOutput:
         return not self.chunks and not self.adapter_loads and not self.adapter_evictions
 
 
-@dataclass
+@dataclass(slots=True)
 class ExecutorResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request_id -> next token
     elapsed_s: float = 0.0  # time the step took (measured, or modelled by a simulated executor)

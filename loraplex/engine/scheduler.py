@@ -26,7 +26,7 @@ from loraplex.engine.messages import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from loraplex.engine.request import FinishReason, Request, RequestStatus, SampledToken
+from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.engine.stopping import finish_reason
 from loraplex.spec.adapter import AdapterId
 
@@ -112,24 +112,36 @@ class FifoScheduler:
         out = SchedulerOutput(adapter_evictions=self._evictions, finished_request_ids=self._finished)
         self._evictions, self._finished = [], []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted_request_ids:
+        if self.waiting and not out.preempted_request_ids:
             self._schedule_waiting(out, budget)
         return out
 
     def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
+        # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
         outputs = []
         now = self.clock.now()
-        requests, running = self.requests, RequestStatus.RUNNING
+        requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
+        max_model_len = self.config.max_model_len
         finished = False
         for chunk in output.chunks:
             request = requests.get(chunk.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(chunk.token_ids)
-            if chunk.sample:
-                out = self._append_token(request, result.sampled[request.request_id], now)
-                finished = finished or out.finished
-                outputs.append(out)
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            token_id, tokens = token.token_id, request.output_token_ids
+            tokens.append(token_id)
+            request.output_logprobs.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = finish_reason(request, max_model_len)
+            if reason is not None:
+                self._finish(request, reason)  # dropped from the running list below
+                finished = True
+            outputs.append(RequestOutput(chunk.request_id, [token_id], [token], len(request.prompt_token_ids),
+                                         len(tokens), reason is not None, reason))
         if finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status is running]
         return outputs
@@ -137,19 +149,21 @@ class FifoScheduler:
     # ---- scheduling -------------------------------------------------------------------------
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for request in list(self.running):
+        chunks, allocate, chunk, running = out.chunks, self.kv.allocate, self._chunk, RequestStatus.RUNNING
+        for request in list(self.running):  # a copy: preemption removes from self.running
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this loop
             known = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_tokens = min(known - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_tokens, out):
-                out.chunks.append(self._chunk(request, num_tokens))
+            if allocate(request, num_tokens) or self._allocate_or_preempt(request, num_tokens, out):
+                chunks.append(chunk(request, num_tokens))
                 budget -= num_tokens
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `request` fits (a failed allocate takes nothing)."""
         while not self.kv.allocate(request, num_tokens):
             victim = self.running[-1]
             self._preempt(victim, out)
@@ -179,11 +193,16 @@ class FifoScheduler:
 
     def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        num_output = len(request.output_token_ids)
+        output = request.output_token_ids
+        num_prompt, num_output = len(request.prompt_token_ids), len(output)
+        if start >= num_prompt:  # a decode: the common case, sliced here without a call
+            tokens = output[start - num_prompt:start - num_prompt + num_tokens]
+        else:
+            tokens = request.token_slice(start, num_tokens)
         return ScheduledChunk(
-            request.request_id, request.token_slice(start, num_tokens), start, request.block_ids,
+            request.request_id, tokens, start, request.block_ids,
             self._slots.get(request.request_id, NO_ADAPTER_SLOT),
-            start + num_tokens == len(request.prompt_token_ids) + num_output, request.sampling, num_output)
+            start + num_tokens == num_prompt + num_output, request.sampling, num_output)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -226,17 +245,6 @@ class FifoScheduler:
             self._retiring.discard(adapter)
 
     # ---- results ----------------------------------------------------------------------------
-
-    def _append_token(self, request: Request, token: SampledToken, now: float) -> RequestOutput:
-        request.output_token_ids.append(token.token_id)
-        request.output_logprobs.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        reason = finish_reason(request, self.config.max_model_len)
-        if reason is not None:
-            self._finish(request, reason)  # update() drops it from the running list
-        return RequestOutput(request.request_id, [token.token_id], [token], len(request.prompt_token_ids),
-                             len(request.output_token_ids), reason is not None, reason)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.block_ids:

@@ -1,20 +1,27 @@
 """Cluster mode: N twin servers behind the real router policy, re-placed by the real placement
 policy every interval (the routing table is swapped at once, as routers do on a new version).
 
-A discrete-event loop over per-server virtual clocks: the next event is either the next arrival or
-the step of the server whose clock is earliest. A server's step runs from its clock to clock +
+A discrete-event loop over per-server virtual clocks. A server's step runs from its clock to clock +
 step latency; requests routed to it meanwhile join at its next step boundary, as in the real engine.
+Servers share nothing between arrivals, so each is stepped lazily: only when an arrival needs its
+state (as a routing candidate) is it stepped up to the arrival time, every step that starts at or
+before it, which is exactly the state a loop over all servers in time order would show.
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 from dataclasses import dataclass, field
 
-from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
-from loraplex.placement import OperatingPoints, PlacementAdapter, PlacementInput, PlacementServer, make_policy
+from loraplex.placement import (
+    DEFAULT_HYSTERESIS,
+    OperatingPoints,
+    PlacementAdapter,
+    PlacementInput,
+    PlacementServer,
+    make_policy,
+)
 from loraplex.routing import RoutingTable
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile
 from loraplex.sim.metrics import (
@@ -39,6 +46,7 @@ class ClusterConfig:
     placement: str = "loraserve"
     routing: str = "loraserve"  # router profile (loraplex.routing.pipeline.PROFILES)
     interval_s: float = 60.0
+    hysteresis: float = DEFAULT_HYSTERESIS  # loraserve's (0: the paper's fresh packing)
     seed: int = 0
     engine_overrides: dict = field(default_factory=dict)
     operating_points: OperatingPoints | None = None  # default: measured on the twin for this profile
@@ -58,13 +66,22 @@ class _Server:
         self.core, self.clock = make_sim_engine(profile, profile.engine_config(**overrides))
         self.ids = register_adapters(self.core, adapters)
         self.requests: list[Request] = []
+        self._scheduler = self.core.scheduler
+        self._slot_of = self.core.residency.slot_of
+        self._max_rank = self.core.config.max_lora_rank
+
+    def advance(self, until: float) -> None:
+        """Run every step that starts at or before `until`."""
+        core, clock, scheduler = self.core, self.clock, self._scheduler
+        while scheduler.has_unfinished() and clock.now() <= until:
+            if not core.step() and scheduler.num_running == 0 and scheduler.has_unfinished():
+                raise RuntimeError(f"{self.id} admits none of its waiting requests while idle")
 
     def candidate(self, adapter: str | None, phi: float) -> Candidate:
-        scheduler = self.core.scheduler
-        resident = adapter is not None and self.core.residency.slot_of(self.ids[adapter]) is not None
+        scheduler = self._scheduler
+        resident = adapter is not None and self._slot_of(self.ids[adapter]) is not None
         return Candidate(self.id, phi=phi, residency=Residency.GPU if resident else Residency.HOST,
-                         queue_depth=scheduler.num_running + scheduler.num_waiting,
-                         max_rank=self.core.config.max_lora_rank)
+                         queue_depth=scheduler.num_running + scheduler.num_waiting, max_rank=self._max_rank)
 
 
 class _Cluster:
@@ -75,12 +92,13 @@ class _Cluster:
         self.by_id = {s.id: s for s in self.servers}
         rng = random.Random(config.seed)
         self.router = make_profile(config.routing, random.Random(rng.random()))
-        self.policy = make_policy(config.placement, random.Random(rng.random()))
+        self.policy = make_policy(config.placement, random.Random(rng.random()), hysteresis=config.hysteresis)
         max_rank = self.servers[0].core.config.max_lora_rank
         self.placement_servers = [PlacementServer(s.id, max_rank) for s in self.servers]
         self.points = config.operating_points or operating_points(profile, sorted(set(self.adapters.values())),
                                                                   trace, self.servers[0].core.config)
         self.table: RoutingTable | None = None
+        self._offers: dict[str, list[tuple[_Server, float]]] = {}  # adapter -> (server, φ > 0), this table
         self.window_tokens: dict[str, int] = {}
         self.placements = 0
         self.required_servers: list[int] = []
@@ -90,19 +108,29 @@ class _Cluster:
                     for name, rank in sorted(self.adapters.items())]
         placement = self.policy.place(PlacementInput(self.placement_servers, adapters, self.points, self.table))
         self.table = placement.to_table(self.placements + 1, now, adapters)
+        self._offers = {}
         self.placements += 1
         self.required_servers.append(placement.required_servers)
 
     def route(self, request: TraceRequest) -> _Server:
-        phis = {}
-        if request.adapter is not None and self.table is not None:
-            phis = {r.server: r.weight for r in self.table.routes(request.adapter)}
+        """Step the candidate servers up to the arrival, then let the router pick one."""
         # The assigned filter keeps only φ > 0 servers when there are any, so offering just those
         # gives the same pick and saves building one candidate per server per request.
-        offered = [self.by_id[sid] for sid in phis] if phis else self.servers
-        candidates = [s.candidate(request.adapter, phis.get(s.id, 0.0)) for s in offered]
+        offers = self._offers_for(request.adapter) or [(s, 0.0) for s in self.servers]
+        for server, _ in offers:
+            server.advance(request.arrival_s)
+        candidates = [server.candidate(request.adapter, phi) for server, phi in offers]
         chosen = self.router.pick(RouteRequest(request.adapter, request.rank or None), candidates)
         return self.by_id[chosen.server_id]
+
+    def _offers_for(self, adapter: str | None) -> list[tuple[_Server, float]]:
+        if adapter is None or self.table is None:
+            return []
+        offers = self._offers.get(adapter)
+        if offers is None:
+            phis = {r.server: r.weight for r in self.table.routes(adapter)}  # the last φ of a server wins
+            offers = self._offers[adapter] = [(self.by_id[sid], phi) for sid, phi in phis.items()]
+        return offers
 
 
 def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo: Slo | None = None) -> ClusterRun:
@@ -113,42 +141,28 @@ def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo:
     cluster = _Cluster(trace, profile, config)
     duration = trace_duration(trace)
     cluster.place(0.0, _mean_demand(trace, duration))  # the declared (expected) demand of every adapter
-    busy: list[tuple[float, int]] = []  # (clock, server index) of servers with work
     next_placement = config.interval_s
     for request in trace.requests:
-        _run_until(cluster, busy, request.arrival_s)
         while request.arrival_s >= next_placement:
             cluster.place(next_placement, {a: t / config.interval_s for a, t in cluster.window_tokens.items()})
             cluster.window_tokens = {}
             next_placement += config.interval_s
-        _admit(cluster, busy, request)
-    _run_until(cluster, busy, float("inf"))
+        _admit(cluster, request)
+    for server in cluster.servers:
+        server.advance(float("inf"))
     return _collect(cluster, trace, duration, slo)
 
 
-def _admit(cluster: _Cluster, busy: list[tuple[float, int]], request: TraceRequest) -> None:
-    server = cluster.route(request)
+def _admit(cluster: _Cluster, request: TraceRequest) -> None:
+    server = cluster.route(request)  # stepped up to the arrival
     if request.adapter is not None:
         cluster.window_tokens[request.adapter] = (cluster.window_tokens.get(request.adapter, 0)
                                                   + request.prompt_len + request.output_len)
-    idle = not server.core.has_unfinished()
-    if idle:
+    if not server.core.has_unfinished():  # idle: its clock jumps to the arrival
         server.clock.advance(max(0.0, request.arrival_s - server.clock.now()))
     req = make_request(request, 0.0, server.ids[request.adapter] if request.adapter else None, sim_prompt)
     server.core.add_request(req)
     server.requests.append(req)
-    if idle:
-        heapq.heappush(busy, (server.clock.now(), server.index))
-
-
-def _run_until(cluster: _Cluster, busy: list[tuple[float, int]], until: float) -> None:
-    """Step servers, earliest clock first, until every busy server's clock has passed `until`."""
-    while busy and busy[0][0] <= until:
-        _, index = heapq.heappop(busy)
-        core: EngineCore = cluster.servers[index].core
-        core.step()
-        if core.has_unfinished():
-            heapq.heappush(busy, (core.clock.now(), index))
 
 
 def _mean_demand(trace: Trace, duration: float) -> dict[str, float]:
