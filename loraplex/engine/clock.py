@@ -15,6 +15,14 @@ class MonotonicClock:
         return time.monotonic()
 
 
+class WallClock:
+    """Seconds since the epoch: the placement controller keys demand windows by wall time, which
+    every router and agent shares."""
+
+    def now(self) -> float:
+        return time.time()
+
+
 class ManualClock:
     """A clock that only moves when told to: tests and the simulator."""
 

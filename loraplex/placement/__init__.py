@@ -2,7 +2,7 @@
 `make_policy(name)` picks LoRAServe's Algorithm 1 or a baseline; `PlacementController` runs a policy
 over a RoutingStore every interval."""
 
-from loraplex.placement.controller import ControllerReport, PlacementController, WallClock, build_input
+from loraplex.placement.controller import ControllerReport, PlacementController, build_input
 from loraplex.placement.forecast import FORECASTERS, ewma, last_window, make_forecaster
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.max_replicas import MaxReplicasPolicy, cap_placement, cap_routes
@@ -25,7 +25,7 @@ from loraplex.placement.snapshot import (
 __all__ = [
     "DEFAULT_CPU", "DEFAULT_GPU", "DEFAULT_HYSTERESIS", "FORECASTERS", "POLICY_NAMES", "ControllerReport", "OperatingPoints",
     "OperatingPointsError", "Placement", "PlacementAdapter", "PlacementController", "PlacementError",
-    "PlacementInput", "PlacementPolicy", "PlacementServer", "WallClock", "build_input",
+    "PlacementInput", "PlacementPolicy", "PlacementServer", "build_input",
     "default_operating_points", "ewma", "last_window", "make_forecaster", "make_policy",
     "MaxReplicasPolicy", "cap_placement", "cap_routes",
 ]

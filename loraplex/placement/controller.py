@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,13 +26,6 @@ from loraplex.routing.store import RoutingStore, StoreUnavailableError
 from loraplex.routing.table import RoutingTable
 
 log = logging.getLogger(__name__)
-
-
-class WallClock:
-    """Seconds since the epoch: demand windows are keyed by wall time shared with the routers."""
-
-    def now(self) -> float:
-        return time.time()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from loraplex.cli import CommandError
-from loraplex.placement.controller import WallClock
+from loraplex.engine.clock import WallClock
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.cli import CommandError
-from loraplex.placement.controller import PlacementController, WallClock
+from loraplex.engine.clock import WallClock
+from loraplex.placement.controller import PlacementController
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.max_replicas import MaxReplicasPolicy
 from loraplex.placement.operating_points import default_operating_points
