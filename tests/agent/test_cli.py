@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from openai import OpenAI
+from processes import wait_healthy
 
 
 @pytest.fixture
@@ -26,26 +26,12 @@ def agent_process(tiny_model, free_port, tmp_path):
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, process, tmp_path / "agent.log")
+        wait_healthy(url, process, tmp_path / "agent.log")
         yield url, [name for name, _ in adapters]
     finally:
         process.terminate()
         process.wait(timeout=60)
         log.close()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the agent exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the agent was not healthy within {timeout_s} s:\n{log.read_text()}")
 
 
 def test_agent_command_serves_the_openai_api(agent_process):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
+from processes import wait_healthy
 
 from loraplex.cli import main
 from loraplex.sim.results import read_results
@@ -70,7 +69,7 @@ def test_bench_serve_against_a_real_agent(tiny_model, free_port, tmp_path, capsy
                               "--port", str(port), "--adapter", f"{name}={path}", "--max-model-len", "512"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(port, agent)
+        wait_healthy(f"http://127.0.0.1:{port}", agent)
         trace = tmp_path / "t.jsonl"
         trace.write_text('{"trace_version": 1, "workload": {"duration_s": 1.0}}\n' + "".join(
             json.dumps({"request_id": f"r{i}", "arrival_s": i * 0.2, "adapter": name, "rank": 8,
@@ -84,14 +83,3 @@ def test_bench_serve_against_a_real_agent(tiny_model, free_port, tmp_path, capsy
         agent.terminate()
         agent.wait(timeout=30)
 
-
-def _wait_healthy(port: int, process: subprocess.Popen) -> None:
-    for _ in range(600):
-        if process.poll() is not None:
-            raise RuntimeError("the agent exited during start-up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("the agent did not become healthy in 60 s")
