@@ -60,6 +60,12 @@ class Profile(BaseModel):
     def weights(self) -> list[float]:
         return [self.coefficients.get(name, 0.0) for name in FEATURES]
 
+    def scaled(self, factor: float) -> Profile:
+        """The same model on a machine `factor` times slower (every term scales alike)."""
+        if not factor > 0:
+            raise ValueError(f"a speed factor must be positive, not {factor}")
+        return self.model_copy(update={"coefficients": {k: v * factor for k, v in self.coefficients.items()}})
+
     def step_seconds(self, features: StepFeatures) -> float:
         return sum(w * x for w, x in zip(self.weights(), features.vector(), strict=True))
 
