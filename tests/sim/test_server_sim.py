@@ -112,6 +112,15 @@ def test_the_fit_recovers_known_coefficients():
         assert coefficients[name] == pytest.approx(value, rel=1e-6)
 
 
+def test_a_scaled_profile_is_the_same_model_on_a_slower_machine():
+    profile = make_profile(intercept=0.005, batch=2e-4, prefill_tokens=3e-5)
+    features = StepFeatures(batch=4, prefill_tokens=100)
+    assert profile.scaled(1.1).step_seconds(features) == pytest.approx(1.1 * profile.step_seconds(features))
+    assert profile.coefficients["batch"] == 2e-4  # the original is left alone
+    with pytest.raises(ValueError, match="must be positive"):
+        profile.scaled(0.0)
+
+
 def test_profiles_are_versioned_and_validated(tmp_path):
     profile = make_profile()
     path = tmp_path / "p.json"
