@@ -33,7 +33,7 @@ SHA256_HEX = r"^[a-f0-9]{64}$"
 MAX_SOURCE_LENGTH = 2048  # bounds the cost of the CEL rule that checks the scheme
 
 Phase = Literal["Pending", "Loading", "Ready", "Failed"]
-PoolPhase = Literal["Pending", "Progressing", "Ready", "Degraded"]
+PoolPhase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 # An int-or-string Kubernetes quantity such as 1, "500m" or "16Gi".
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
 
@@ -208,11 +208,32 @@ class PlacementSpec(CrdModel):
     slo: SloSpec = Field(default_factory=SloSpec)
 
 
+class SizingSpec(CrdModel):
+    """How `status.requiredServers`, the autoscaler's target, is estimated: from the placement's
+    load (Σ demand over each rank's operating point), or by the digital twin's minimum-GPU planner."""
+
+    estimator: Literal["placement", "planner"] = Field(
+        "placement", description="placement: the placement's load estimate; planner: the twin's minimum-GPU plan")
+    profile: str | None = Field(None, min_length=1, max_length=1024,
+                                description="planner: latency profile of one server, a shipped name (e.g. "
+                                            "cpu-tiny) or a path in the operator image")
+    oracle_seconds: float = Field(60.0, ge=1, le=3600,
+                                  description="planner: simulated seconds of each twin run the planner makes")
+    # Demand is counted in tokens (prompt + output); these turn tokens/s into the requests/s the planner takes.
+    prompt_tokens: int = Field(1024, ge=1, description="planner: mean prompt length of a request, in tokens")
+    output_tokens: int = Field(128, ge=1, description="planner: mean output length of a request, in tokens")
+
+    cel_rules = (CelRule("self.estimator != 'planner' || has(self.profile)",
+                         "sizing.profile is required when sizing.estimator is planner",
+                         lambda m: m.estimator != "planner" or m.profile is not None),)
+
+
 class AdapterPoolSpec(CrdModel):
     base_model: BaseModelSpec
     servers: ServersSpec = Field(default_factory=ServersSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    sizing: SizingSpec = Field(default_factory=SizingSpec)
 
 
 class ServerStatus(CrdModel):
@@ -237,6 +258,8 @@ class AdapterPoolStatus(CrdModel):
                                           "loaded beyond its balanced share: too few servers can hold their ranks")
     max_server_load: float | None = Field(None, ge=0, description="The busiest server's forecast load at the last "
                                           "placement; 1.0 is what one server sustains under the SLO")
+    planned_adapter_slots: list[int] = Field(default_factory=list, description="sizing.estimator planner: the "
+                                             "adapter slots (A_max) of each planned server")
     observed_generation: int | None = Field(None, ge=0)
     conditions: list[Condition] = _conditions_field()
 

@@ -19,6 +19,7 @@ from loraplex.spec.crd import AdapterPoolSpec, AdapterSource
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.inspect_source import AdapterFacts
 from loraplex_operator.kube import EventSink, KubeApi
+from loraplex_operator.planner_runner import PlannerRunner
 from loraplex_operator.pool_policy import PoolPolicy
 from loraplex_operator.replica_bounds import ReplicaBounds
 
@@ -39,6 +40,7 @@ class Deps:
     inspector: Inspector
     # The `random` policy's source, seeded per pool so a restarted operator places the same way.
     make_random: Callable[[str], random.Random] = field(default=lambda pool: random.Random(pool))
+    planner: PlannerRunner = field(default_factory=PlannerRunner)  # pools sized by the planner
     _stores: dict[str, RoutingStore] = field(default_factory=dict)
     _controllers: dict[str, tuple[tuple[str, bool, float], PlacementController]] = field(default_factory=dict)
     _bounds: dict[str, ReplicaBounds] = field(default_factory=dict)  # per pool, as its last tick saw them
@@ -78,6 +80,7 @@ class Deps:
         return controller
 
     def close(self) -> None:
+        self.planner.close()
         with self._lock:
             for store in self._stores.values():
                 close = getattr(store, "close", None)

@@ -24,6 +24,7 @@ from loraplex_operator.deps import Deps
 from loraplex_operator.kube import ObjectRef
 from loraplex_operator.pool_objects import PoolRef, build_statefulset, pool_objects
 from loraplex_operator.pool_policy import MAX_SERVER_LOAD
+from loraplex_operator.pool_sizing import planner_sizing, size_with_planner
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
 from loraplex_operator.replica_bounds import replica_bounds
 from loraplex_operator.scaling import ScaleDecision, decide_replicas, short_of_capacity, with_shortfall
@@ -166,16 +167,24 @@ def _condition(status: AdapterPoolStatus, type_: str) -> Condition | None:
     return next((c for c in status.conditions if c.type == type_), None)
 
 
+def _planner_floor(deployments: Sequence[DeploymentInfo]) -> int:
+    """An adapter with replicas.min N needs N servers, whatever the plan says."""
+    return max((d.spec.replicas.min for d in deployments), default=1)
+
+
 def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
               deployments: Sequence[DeploymentInfo], deps: Deps) -> TickResult:
     now = deps.clock.now()
     last = parse_time(previous.last_placement_time) if previous else None
     findings = _previous_findings(previous)
-    table, servers, store_error, events = None, [], "", []
+    by_planner = spec.sizing.estimator == "planner"
+    table, servers, store_error, events, sizing = None, [], "", [], None
     try:
         store = deps.store(ref.name)
         due = placement_due(previous.last_placement_time if previous else None,
                             spec.placement.interval_seconds, now)
+        if by_planner:  # before placing: a failed placement must not hold the plan back
+            sizing = size_with_planner(ref.name, spec, previous, _planner_floor(deployments), due, deps)
         if due:
             last, findings = now, _place(ref.name, spec, deployments, deps)
         table, servers = store.read_table(), store.healthy_servers()
@@ -184,7 +193,12 @@ def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, pre
         store_error = str(exc)
     except PlacementError as exc:
         events.append(Event("Warning", "PlacementFailed", str(exc)))
-    required = findings.required_with_shortfall(len(servers))
+    if by_planner and sizing is None:  # the store failed first: the last plan stands
+        sizing = planner_sizing(None, previous, _planner_floor(deployments))
+    if not by_planner:
+        deps.planner.forget(ref.name)
+    required = sizing.required if sizing else findings.required_with_shortfall(len(servers))
+    events += sizing.events if sizing else ()
     decision = _scale(spec, required, previous, now) if not store_error else ScaleDecision(
         spec.servers.desired_replicas, None)
     new_replicas = None
@@ -195,6 +209,8 @@ def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, pre
                             f"{decision.replicas} (required {required})"))
     view = PoolView(ref.name, generation, decision.replicas, _ready_replicas(ref, deps), table, servers,
                     required, store_error, findings.overloaded, findings.max_server_load,
-                    spec.servers.max_replicas if spec.placement.autoscale else None)
+                    spec.servers.max_replicas if spec.placement.autoscale else None,
+                    sizing.slots if sizing else (), sizing.condition if sizing else None,
+                    sizing.invalid if sizing else "")
     status = pool_status(view, previous, last, decision.below_since, now)
     return TickResult(status, new_replicas, events + _tick_events(previous, status, table))

@@ -12,6 +12,8 @@ from loraplex_operator import names
 from loraplex_operator.conditions import rfc3339, set_condition
 from loraplex_operator.scaling import short_of_capacity
 
+PLANNED = "Planned"  # the condition of pools sized by the planner
+
 
 def parse_time(text: str | None) -> float | None:
     if not text:
@@ -37,6 +39,9 @@ class PoolView:
     overloaded: Sequence[str] = ()  # servers the last placement loaded beyond its balanced share
     max_server_load: float | None = None  # the busiest server's forecast load (1.0: one server's capacity)
     max_replicas: int | None = None  # the autoscaler's ceiling (None: autoscaling off)
+    planned_slots: Sequence[int] = ()  # sizing by the planner: A_max per planned server
+    planned: tuple[bool, str, str] | None = None  # the Planned condition; None: sized by the placement
+    sizing_error: str = ""        # non-empty when spec.sizing cannot be used
 
 
 def shortfall_condition(view: PoolView) -> tuple[bool, str, str]:
@@ -50,6 +55,9 @@ def shortfall_condition(view: PoolView) -> tuple[bool, str, str]:
                                      f"hold their ranks) but within capacity: busiest at {load:.2f}")
     message = f"servers {servers} are overloaded (busiest at {load:.2f} of its capacity): too few servers " \
               "can hold the ranks they serve"
+    if view.planned is not None:
+        return True, "ServersOverloaded", f"{message}; the planner sizes this pool (sizing.estimator), so the " \
+                                          "placement adds no server"
     if view.max_replicas is not None and (view.required_servers or 0) > view.max_replicas:
         return True, "AtMaxReplicas", f"{message}; {view.required_servers} servers wanted, maxReplicas is " \
                                       f"{view.max_replicas}"
@@ -69,7 +77,9 @@ def _servers(view: PoolView) -> list[ServerStatus]:
 
 def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placement: float | None,
                 below_since: float | None, now: float) -> AdapterPoolStatus:
-    if view.store_error:
+    if view.sizing_error:
+        phase, reason, message = "Failed", "InvalidSizing", view.sizing_error
+    elif view.store_error:
         phase, reason, message = "Degraded", "StoreUnavailable", view.store_error
     elif view.ready_replicas == 0:
         phase, reason, message = "Pending", "NoReadyServers", "no server is ready yet"
@@ -85,6 +95,8 @@ def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placeme
                       else "Reachable", view.store_error, now, gen),
         set_condition(old, "CapacityShortfall", *shortfall_condition(view), now, gen),
     ]
+    if view.planned is not None:
+        conditions.append(set_condition(old, PLANNED, *view.planned, now, gen))
     return AdapterPoolStatus(
         phase=phase, replicas=view.replicas, ready_replicas=view.ready_replicas,
         selector=names.selector_string(view.name),
@@ -93,4 +105,5 @@ def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placeme
         servers=_servers(view), last_placement_time=rfc3339(last_placement) if last_placement else None,
         below_since=rfc3339(below_since) if below_since is not None else None,
         overloaded_servers=list(view.overloaded), max_server_load=view.max_server_load,
+        planned_adapter_slots=list(view.planned_slots),
         observed_generation=gen, conditions=conditions)

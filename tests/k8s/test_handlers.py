@@ -1,7 +1,6 @@
-"""The kopf handlers, called as kopf calls them: real kopf Body/Patch/Memo objects, a real in-memory
-routing store, the real placement controller, and a real HTTP server holding an adapter. Only the
-Kubernetes API is replaced (no cluster here): `RecordingKube` keeps applied objects in a dict and
-merges status patches into them, as the API server would."""
+"""The kopf handlers, called as kopf calls them (through operator_world.World): real kopf
+Body/Patch/Memo objects, a real in-memory routing store, the real placement controller, and a real
+HTTP server holding an adapter. Only the Kubernetes API is replaced (no cluster here)."""
 
 from __future__ import annotations
 
@@ -17,57 +16,9 @@ from typing import Any
 import kopf
 import pytest
 from loraplex_operator import handlers
-from loraplex_operator.adapter_status import Event
-from loraplex_operator.config import OperatorConfig
-from loraplex_operator.deps import Deps
-from loraplex_operator.inspect_source import SourceInspector
-from loraplex_operator.kube import ObjectRef
+from operator_world import NS, World
 
-from loraplex.engine.clock import ManualClock
-from loraplex.routing import InMemoryRoutingStore, ServerRecord
-
-NS = "serving"
-T0 = 1_700_000_000.0
-
-
-def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    """JSON merge patch (RFC 7386), as the API server applies kopf's patches."""
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, dict) and isinstance(target.get(key), dict):
-            merge(target[key], value)
-        else:
-            target[key] = copy.deepcopy(value)
-    return target
-
-
-class RecordingKube:
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.applied: list[dict[str, Any]] = []
-
-    def apply(self, obj: dict[str, Any]) -> None:
-        self.applied.append(copy.deepcopy(obj))
-        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        self.objects[key] = merge(self.objects.get(key, {}), copy.deepcopy(obj))
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.objects.get((kind, namespace, name))
-
-    def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> None:
-        merge(self.objects[(ref.kind, ref.namespace, ref.name)], {"status": status})
-
-
-class RecordingEvents:
-    def __init__(self) -> None:
-        self.posted: list[tuple[str, Event]] = []
-
-    def post(self, ref: ObjectRef, event: Event) -> None:
-        self.posted.append((ref.name, event))
-
-    def reasons(self, name: str) -> list[str]:
-        return [e.reason for n, e in self.posted if n == name]
+from loraplex.routing import InMemoryRoutingStore
 
 
 class AdapterFiles(http.server.BaseHTTPRequestHandler):
@@ -98,59 +49,6 @@ def adapter_server() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
-
-
-class World:
-    """The cluster as the handlers see it, plus helpers that play the API server's part."""
-
-    def __init__(self, base_url: str) -> None:
-        self.clock = ManualClock(T0)
-        self.kube = RecordingKube()
-        self.events = RecordingEvents()
-        self.stores: dict[str, InMemoryRoutingStore] = {}
-        # The test server speaks http://; the inspector is told to treat it as the Hub endpoint.
-        inspector = SourceInspector(hf_endpoint=base_url)
-        self.deps = Deps(OperatorConfig(), self.kube, self.events, self.clock, self._store, inspector)
-        self.memo = kopf.Memo(deps=self.deps)
-
-    def _store(self, pool: str) -> InMemoryRoutingStore:
-        return self.stores.setdefault(pool, InMemoryRoutingStore(pool, self.clock))
-
-    def create(self, kind: str, name: str, spec: dict[str, Any], uid: str) -> None:
-        self.kube.objects[(kind, NS, name)] = {
-            "apiVersion": "loraplex.io/v1alpha1", "kind": kind,
-            "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1}, "spec": spec, "status": {}}
-
-    def call(self, handler: Any, kind: str, name: str, **extra: Any) -> kopf.Patch:
-        obj = self.kube.objects[(kind, NS, name)]
-        body = kopf.Body(copy.deepcopy(obj))
-        patch = kopf.Patch()
-        try:
-            handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
-                    patch=patch, memo=self.memo, logger=None, **extra)
-        finally:
-            merge(obj, dict(patch))  # kopf applies the patch even when the handler asks for a retry
-        return patch
-
-    def index(self) -> dict[tuple[str, str], list[Any]]:
-        out: dict[tuple[str, str], list[Any]] = {}
-        for (kind, _, name), obj in self.kube.objects.items():
-            if kind == "LoRADeployment":
-                body = kopf.Body(copy.deepcopy(obj))
-                for key, value in (handlers.adapters_by_pool(spec=body.spec, status=body.status, meta=body.meta,
-                                                             name=name, namespace=NS) or {}).items():
-                    out.setdefault(key, []).append(value)
-        return out
-
-    def tick(self, pool: str) -> kopf.Patch:
-        return self.call(handlers.pool_timer, "AdapterPool", pool, adapters_by_pool=self.index())
-
-    def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = (), max_rank: int = 64) -> None:
-        record = ServerRecord(sid, f"http://{sid}:8000", max_rank, host_adapters=holds, heartbeat_at=self.clock.now())
-        self._store(pool).register_server(record, ttl_s=30)
-
-    def status(self, kind: str, name: str) -> dict[str, Any]:
-        return self.kube.objects[(kind, NS, name)]["status"]
 
 
 POOL_SPEC = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
