@@ -21,6 +21,8 @@ def register(registry: CommandRegistry) -> None:
                  sim.sim_args, sim.run_sim)
     registry.add("sim plan", "the fewest GPUs (and A_max per GPU) that serve a trace without starving",
                  sim.plan_args, sim.run_plan)
+    registry.add("sim whatif-profile", "write the what-if H100 / Llama-3.1-8B profile built from published constants",
+                 sim.whatif_args, sim.run_whatif)
     registry.add("bench serve", "replay a trace against an OpenAI-compatible endpoint (open loop)",
                  sim.serve_args, sim.run_serve)
     registry.add("bench report", "percentile table and CDF/over-time plots of results files",

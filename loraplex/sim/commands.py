@@ -172,13 +172,17 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     p.add_argument("--max-loras", type=int, default=None,
-                   help="adapter slots per server for every policy; the planner's A_max may be lower "
-                        "(default: the profile's max_loras)")
+                   help="adapter slots per server for every policy; the planner's A_max may be lower. Default: "
+                        "each policy chooses its own when the profile's slots cost KV memory, else the "
+                        "profile's max_loras")
     p.add_argument("--compare", action="store_true",
                    help="also find the servers replicate-all and random need at the same SLO (slow)")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds for --compare")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (--compare, --slo-aware)")
     p.add_argument("--slo-target", type=float, default=0.95,
                    help="--compare: baselines must reach min(this, the plan's SLO attainment)")
+    p.add_argument("--slo-aware", action="store_true",
+                   help="the planner also closes a GPU before its SLO attainment (--slo-ttft) falls below "
+                        "--slo-target, not only before it starves")
     p.add_argument("--random-seeds", type=int, default=3, help="--compare: seeds of random placement (median)")
     p.add_argument("--oracle-duration", type=float, default=60.0, help="seconds of twin run per question")
     p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
@@ -189,3 +193,21 @@ def run_plan(args: argparse.Namespace) -> int:
     from loraplex.sim.planner.cli import run
 
     return run(args)
+
+
+def whatif_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="profile file to write (JSON)")
+    p.add_argument("--max-loras", type=int, default=32, help="the profile's default adapter slots")
+    p.add_argument("--max-lora-rank", type=int, default=32, help="slot size (the published constants cover <= 32)")
+
+
+def run_whatif(args: argparse.Namespace) -> int:
+    from loraplex.sim.whatif import whatif_profile
+
+    try:
+        profile = whatif_profile(args.max_loras, args.max_lora_rank)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    profile.save(args.out)
+    print(f"wrote {args.out}: {profile.hardware}")
+    return 0

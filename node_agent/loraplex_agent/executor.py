@@ -39,7 +39,7 @@ class TorchExecutor:
         self.device = device
         self.dtype = dtype
         self.get_adapter = get_adapter
-        self.lora = LoraSlots(model_config, engine_config.max_loras, device, dtype)
+        self.lora = LoraSlots(model_config, engine_config.max_loras, device, dtype, engine_config.max_lora_rank)
         prepare_lora_backend(device, dtype)
         state = load_state_dict(model_dir or model_config.name, device, dtype)
         self.model = LlamaModel(model_config, state, self.lora.layers, engine_config.max_model_len, device, dtype)

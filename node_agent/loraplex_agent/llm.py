@@ -61,7 +61,8 @@ class LLM:
         max_len = resolve_max_model_len(self.model_config, max_model_len)
         blocks = num_kv_blocks(self.model_config, torch_device, torch_dtype, block_size=block_size,
                                max_model_len=max_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                               kv_cache_memory_gib=kv_cache_memory)
+                               kv_cache_memory_gib=kv_cache_memory, max_loras=max_loras,
+                               max_lora_rank=max_lora_rank)
         self.engine_config = EngineConfig(
             max_model_len=max_len, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras,

@@ -1,5 +1,9 @@
 """`loraplex sim plan`: plan a trace, check the plan in the twin, optionally find the servers the
-baselines need at the same SLO (arguments are defined in loraplex/sim/commands.py)."""
+baselines need at the same SLO (arguments are defined in loraplex/sim/commands.py).
+
+Slots: `--max-loras N` gives every policy N (the planner at most N per GPU). Without it, a profile
+whose slots cost KV memory lets each policy choose (the planner per GPU, a baseline the best of
+`SLOT_CHOICES` that fits); a profile whose slots are free gives everyone its own `max_loras`."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 from loraplex.cli import CommandError
 from loraplex.sim.metrics import Slo
 from loraplex.sim.operating_points import operating_points
-from loraplex.sim.planner.compare import baseline_json, check_plan, compare_baselines
+from loraplex.sim.planner.compare import baseline_json, check_plan, compare_baselines, slot_choices
 from loraplex.sim.planner.greedy import PlanError, plan
 from loraplex.sim.planner.oracle import TwinOracle
 from loraplex.sim.planner.workload import WorkloadSummary
@@ -24,18 +28,28 @@ def run(args: argparse.Namespace) -> int:
         trace, profile = read_trace(args.trace), load_profile(args.profile)
     except (OSError, ValueError) as exc:
         raise CommandError(str(exc)) from None
+    searched = args.max_loras is None and profile.memory.kv_tokens_per_slot_rank > 0
     slots = args.max_loras or int(profile.engine["max_loras"])
+    try:
+        choices = slot_choices(profile, max(trace.adapters().values())) if searched else [slots]
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     started = time.perf_counter()
     try:
-        result = plan(WorkloadSummary.from_trace(trace), profile, TwinOracle(profile, args.oracle_duration),
-                      max_slots=slots)
+        oracle = TwinOracle(profile, args.oracle_duration, slo=Slo(args.slo_ttft) if args.slo_aware else None,
+                            slo_target=args.slo_target)
+        result = plan(WorkloadSummary.from_trace(trace), profile, oracle, max_slots=None if searched else slots)
     except PlanError as exc:
         raise CommandError(str(exc)) from None
     plan_s = time.perf_counter() - started
     slo = Slo(args.slo_ttft)
     verdict = check_plan(result, trace, profile, slo)
-    doc = {"workload": trace.workload, "profile": profile.name, "max_loras": slots, "slo_ttft_s": args.slo_ttft,
-           "planner": {"gpus": result.num_gpus, "a_max": result.a_max, "starved_in_twin": verdict.starved,
+    ranks = trace.adapters()
+    doc = {"workload": trace.workload, "profile": profile.name, "max_loras": "searched" if searched else slots,
+           "slo_ttft_s": args.slo_ttft, "slo_aware": args.slo_aware,
+           "planner": {"gpus": result.num_gpus, "a_max": result.a_max,
+                       "s_max": [max(ranks[a] for a in result.gpu_adapters(g)) for g in range(result.num_gpus)],
+                       "starved_in_twin": verdict.starved,
                        "slo_attainment": verdict.slo_attainment, "plan_s": round(plan_s, 2),
                        "adapters_per_gpu": [len(result.gpu_adapters(g)) for g in range(result.num_gpus)]}}
     if args.compare:
@@ -44,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         target = min(args.slo_target, verdict.slo_attainment)
         doc["slo_target"] = target
         doc["baselines"] = {b.policy: baseline_json(b) for b in compare_baselines(
-            trace, profile, slo, target, slots, start=result.num_gpus, random_seeds=args.random_seeds, points=points)}
+            trace, profile, slo, target, choices, start=result.num_gpus, random_seeds=args.random_seeds,
+            points=points)}
     if not args.compare or args.assignment:
         doc["assignment"] = result.assignment
     text = json.dumps(doc, indent=2)

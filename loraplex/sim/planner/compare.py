@@ -1,15 +1,19 @@
 """GPUs needed at the same SLO: the planner's plan against replicate-all and random placement.
 
-Every policy gets the same servers: the profile's hardware with `max_loras` adapter slots each (the
-planner may choose fewer per GPU, never more). The plan is checked as it would be deployed (one
-engine per GPU with its A_max slots, each adapter routed to its GPU): no GPU may starve. A
-baseline's count is the fewest servers with which the cluster twin (real router, placement,
-scheduler and LRU slot residency, adapter loads charged by the profile) neither starves (in total
-or on any server) nor falls below the target SLO attainment.
+Every policy gets the same servers: the profile's hardware, its slots sized for the largest rank
+it serves. Slots are either fixed (`max_loras` for every policy; the planner may choose fewer per
+GPU, never more) or, when the profile charges KV memory for them, each policy's own choice: the
+planner picks A_max per GPU, and a baseline searches `SLOT_CHOICES` (as many as memory allows) for
+the count that needs the fewest servers. The plan is checked as it would be deployed (one engine
+per GPU with its A_max slots of its largest rank, each adapter routed to its GPU): no GPU may
+starve. A baseline's count is the fewest servers with which the cluster twin (real router,
+placement, scheduler and LRU slot residency, adapter loads charged by the profile) neither starves
+(in total or on any server) nor falls below the target SLO attainment.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 
@@ -17,11 +21,13 @@ from loraplex.placement import OperatingPoints
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 from loraplex.sim.metrics import RequestResult, Slo, summarize, trace_duration
 from loraplex.sim.planner.greedy import Plan
+from loraplex.sim.planner.oracle import fits_memory
 from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace
 
 BASELINES = ("replicate-all", "random")
+SLOT_CHOICES = (8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
@@ -37,6 +43,7 @@ class Baseline:
     gpus: int  # replicate-all: its count; random: the median over seeds
     per_seed: list[int]
     slo_attainment: list[float]  # at the chosen count, per seed
+    slots: list[int]  # the adapter slots per server at the chosen count, per seed
 
 
 def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
@@ -48,18 +55,31 @@ def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
         part = Trace([r for r in trace.requests if r.adapter in names], {"duration_s": duration})
         if not part.requests:
             continue
-        run = simulate_server(part, profile, profile.engine_config(max_loras=plan.a_max[gpu]), slo)
+        config = profile.engine_config(max_loras=plan.a_max[gpu], max_lora_rank=max(part.adapters().values()))
+        run = simulate_server(part, profile, config, slo)
         starved |= run.summary.starved
         results += run.results
     attainment = summarize(results, duration, duration, slo).slo_attainment or 0.0
     return Verdict(plan.num_gpus, starved, attainment)
 
 
+def slot_choices(profile: Profile, max_rank: int) -> list[int]:
+    """The slot counts a baseline may try: those whose KV cache still holds a full-length request,
+    nearest to the profile's own `max_loras` first (the first one pays for the full server search)."""
+    choices = [s for s in SLOT_CHOICES if fits_memory(profile, s, max_rank)]
+    if not choices:
+        raise ValueError(f"profile {profile.name}: not even {SLOT_CHOICES[0]} slots of rank {max_rank} fit its memory")
+    default = int(profile.engine["max_loras"])
+    return sorted(choices, key=lambda s: (abs(math.log(s / default)), s))
+
+
 def cluster_verdict(policy: str, servers: int, trace: Trace, profile: Profile, slo: Slo, target: float,
                     max_loras: int, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
-    """`starved` is True when the cluster starves, any server starves, or attainment < target."""
+    """`starved` is True when the cluster starves, any server starves, or attainment < target. The
+    servers' slots are sized for the trace's largest rank."""
+    overrides = {"max_loras": max_loras, "max_lora_rank": max(trace.adapters().values())}
     config = ClusterConfig(servers, placement=policy, interval_s=1e9, seed=seed,
-                           engine_overrides={"max_loras": max_loras}, operating_points=points)
+                           engine_overrides=overrides, operating_points=points)
     run = simulate_cluster(trace, profile, config, slo)
     attainment = run.summary.slo_attainment or 0.0
     failed = run.summary.starved or run.info["starved_servers"] > 0 or attainment < target
@@ -70,6 +90,15 @@ def min_servers(policy: str, trace: Trace, profile: Profile, slo: Slo, target: f
                 start: int = 1, limit: int = 256, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
     """The fewest servers with which `policy` passes (`cluster_verdict`). The search starts at `start`
     and walks down while it passes, or up until it does: it assumes more servers never hurt."""
+    verdict = _fewest(policy, trace, profile, slo, target, max_loras, start, limit, seed, points)
+    if verdict is None:
+        raise RuntimeError(f"{policy}: still starving or below the SLO with {limit} servers")
+    return verdict
+
+
+def _fewest(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, max_loras: int, start: int,
+            limit: int, seed: int, points: OperatingPoints | None) -> Verdict | None:
+    """`min_servers`, or None when even `limit` servers fail."""
     def at(n: int) -> Verdict:
         return cluster_verdict(policy, n, trace, profile, slo, target, max_loras, seed, points)
 
@@ -82,20 +111,37 @@ def min_servers(policy: str, trace: Trace, profile: Profile, slo: Slo, target: f
         verdict = at(servers)
         if not verdict.starved:
             return verdict
-    raise RuntimeError(f"{policy}: still starving or below the SLO with {limit} servers")
+    return None
 
 
-def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, max_loras: int, start: int,
+def best_slots(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, choices: list[int],
+               start: int, seed: int = 0, points: OperatingPoints | None = None) -> tuple[Verdict, int]:
+    """The fewest servers over the slot counts in `choices`, and the slots that achieve it. After
+    the first count, a count is only asked whether it passes with one server fewer than the best so
+    far (and then walked down): a count that cannot beat the best costs a single twin run."""
+    best = min_servers(policy, trace, profile, slo, target, choices[0], start, seed=seed, points=points)
+    chosen = choices[0]
+    for slots in choices[1:]:
+        if best.gpus == 1:
+            break
+        fewer = _fewest(policy, trace, profile, slo, target, slots, best.gpus - 1, best.gpus - 1, seed, points)
+        if fewer is not None:
+            best, chosen = fewer, slots
+    return best, chosen
+
+
+def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, slots: list[int], start: int,
                       random_seeds: int = 3, points: OperatingPoints | None = None) -> list[Baseline]:
     """replicate-all once (its placement does not depend on the seed; routing does, slightly) and
-    random once per seed, reporting the median count."""
+    random once per seed, reporting the median count. Each run takes the best of `slots` (one
+    entry: fixed slots for everyone)."""
     out = []
     for policy in BASELINES:
         seeds = range(random_seeds if policy == "random" else 1)
-        runs = [min_servers(policy, trace, profile, slo, target, max_loras, start, seed=s, points=points)
-                for s in seeds]
-        counts = [r.gpus for r in runs]
-        out.append(Baseline(policy, int(statistics.median_low(counts)), counts, [r.slo_attainment for r in runs]))
+        runs = [best_slots(policy, trace, profile, slo, target, slots, start, seed=s, points=points) for s in seeds]
+        counts = [v.gpus for v, _ in runs]
+        out.append(Baseline(policy, int(statistics.median_low(counts)), counts, [v.slo_attainment for v, _ in runs],
+                            [chosen for _, chosen in runs]))
     return out
 
 

@@ -4,8 +4,9 @@ Adapters are sorted by rank (largest first) and, within a rank, by rate in a zig
 high, ...). One GPU is filled at a time: adapters are added provisionally up to the next testing
 point, where the oracle is asked whether the GPU still does not starve and whether the next A_max
 gives more throughput; the batch is committed, or rolled back and the GPU closed. Our addition: a
-GPU whose first batch already starves is retried with half as many adapters, down to one, so a few
-hot adapters do not make the plan fail.
+batch that starves the GPU is retried with half as many adapters, down to one, before the GPU is
+closed. The paper closes at the first failed point, which leaves up to half of a GPU's capacity
+unused when the batch that fails is large (and a GPU whose first batch starves unusable).
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: P
                 slots, tps = new_slots, new_tps
                 break
             queue.extendleft(reversed(provisional))  # back to the front, order kept
-            if committed:
-                return committed, slots, tps  # close this GPU at its last committed state
             if take == 1:
+                if committed:
+                    return committed, slots, tps  # close this GPU at its last committed state
                 raise PlanError(f"adapter {queue[0].name} (rank {queue[0].rank}, {queue[0].rate_rps:.3g} req/s) "
                                 "starves a GPU on its own; it would need replicas, which this planner does not make")
             take //= 2

@@ -28,8 +28,34 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 LayerLoraWeights = dict[str, StackedLoraWeights]  # fused group -> its stacked weights
 
 
+def slot_rank_units(max_lora_rank: int) -> int:
+    """Rank units one slot reserves. A slot may hold an adapter of any rank class up to
+    max_lora_rank's, and every class has its own stacked buffers with one index per slot, so one
+    slot costs the sum of the classes 1 + 2 + 4 + ... + rank_class(max_lora_rank)."""
+    return 2 * rank_class(max_lora_rank) - 1
+
+
+def slot_bytes_per_rank(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one rank unit of one slot: a column of A [in, 1] and a row of B [1, out] for every
+    LoRA target module of every layer."""
+    per_layer = sum(sum(config.module_shape(m)) for modules in LORA_GROUPS.values() for m in modules)
+    return per_layer * config.num_hidden_layers * dtype.itemsize
+
+
+def lora_slots_bytes(config: ModelConfig, dtype: torch.dtype, num_slots: int, max_lora_rank: int) -> int:
+    """Device memory `LoraSlots(config, num_slots, ..., max_lora_rank=max_lora_rank)` allocates."""
+    return num_slots * slot_rank_units(max_lora_rank) * slot_bytes_per_rank(config, dtype)
+
+
 class LoraSlots:
-    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+    """`max_lora_rank` given: every rank class up to it is allocated now, at its full size
+    (`lora_slots_bytes`), so the slots never grow after the KV cache has taken the rest of the
+    memory. Without it the classes grow on first use (tests and tools that size nothing)."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype: torch.dtype,
+                 max_lora_rank: int | None = None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"adapter slots must be at least 1, got {num_slots}")
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -38,6 +64,8 @@ class LoraSlots:
             for _ in range(config.num_hidden_layers)]
         self.adapters: list[AdapterId | None] = [None] * num_slots
         self.locations: list[Location | None] = [None] * num_slots
+        if max_lora_rank is not None:
+            self._allocate(rank_class(max_lora_rank))
 
     @property
     def num_slots(self) -> int:
@@ -47,6 +75,23 @@ class LoraSlots:
         in_features = self.config.module_shape(modules[0])[0]
         outs = [self.config.module_shape(m)[1] for m in modules]
         return StackedLoraWeights(in_features, outs, self.device, self.dtype)
+
+    def _allocate(self, top_class: int) -> None:
+        """Size every class's buffers for all slots: storing a rank-1 zero pair at the last index
+        makes each stack grow straight to `num_slots` (loads use indices below it, so it never
+        grows again), and clearing it leaves the buffers with nothing wrapped."""
+        last = self.num_slots - 1
+        for layer in self.layers:
+            for group, stack in layer.items():
+                zeros = [self._zero_pair(m) for m in LORA_GROUPS[group]]
+                for cls in (1 << k for k in range(top_class.bit_length())):
+                    stack.put((cls, last), zeros)
+                    stack.clear((cls, last))
+
+    def _zero_pair(self, module: str) -> LoraPair:
+        in_features, out_features = self.config.module_shape(module)
+        return (torch.zeros(in_features, 1, device=self.device, dtype=self.dtype),
+                torch.zeros(1, out_features, device=self.device, dtype=self.dtype))
 
     def location(self, slot: int) -> Location:
         """The occupied slot's (rank class, index) in the stacked buffers."""
