@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks; default: sized from memory")
     p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV cache in GiB (used when --num-blocks is not given)")
+                   help="memory for the KV cache and the adapter slots in GiB (used when --num-blocks is not given)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
