@@ -1,7 +1,9 @@
 """Per-request latencies and the run summary: throughput, percentiles, SLO attainment, starvation.
 
-Throughput counts input + output tokens processed per second (the digital-twin paper's definition);
-a run starves when its throughput is below 90% of the offered token rate.
+Throughput counts input + output tokens processed per second (the digital-twin paper's definition).
+A run starves when the tokens it processed within the trace's arrival window fall below 90% of the
+offered token rate (the paper's rule; its twin stops at the window's end). Counting the drain after
+the last arrival instead would call a run starved merely because its last replies are long.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class Summary:
     duration_s: float  # the trace's arrival window
     elapsed_s: float  # until the last request finished (or the horizon)
     offered_tokens_per_s: float
-    throughput_tokens_per_s: float
+    throughput_tokens_per_s: float  # over the whole run, drain included
+    window_throughput_tokens_per_s: float  # within the arrival window: what starvation is judged on
     requests_per_s: float
     starved: bool
     slo_attainment: float | None
@@ -100,6 +103,17 @@ def offered_tokens(trace: Trace) -> int:
     return sum(r.prompt_len + r.output_len for r in trace.requests)
 
 
+def tokens_by(r: RequestResult, t: float) -> float:
+    """Tokens of `r` processed `t` seconds after the trace's start: its prompt with its first token,
+    then its output tokens spread evenly up to its last one (a request the run ended before it
+    finished counts what it generated)."""
+    if r.ttft_s is None or r.arrival_s + r.ttft_s > t:
+        return 0.0
+    if r.e2e_s is None or r.arrival_s + r.e2e_s <= t or not r.tpot_s:
+        return float(r.prompt_len + r.generated)
+    return r.prompt_len + min(r.generated, 1 + (t - r.arrival_s - r.ttft_s) / r.tpot_s)
+
+
 def summarize(results: Iterable[RequestResult], duration_s: float, elapsed_s: float,
               slo: Slo | None = None, offered_tokens: int | None = None) -> Summary:
     """`offered_tokens`: prompt + output tokens of the whole trace (default: of `results`)."""
@@ -111,10 +125,11 @@ def summarize(results: Iterable[RequestResult], duration_s: float, elapsed_s: fl
     processed = sum(r.prompt_len + r.generated for r in results if r.ttft_s is not None)
     elapsed = max(elapsed_s, duration_s)
     throughput = processed / elapsed
+    in_window = sum(tokens_by(r, duration_s) for r in results) / duration_s
     return Summary(
         requests=len(results), finished=len(done), duration_s=duration_s, elapsed_s=elapsed_s,
-        offered_tokens_per_s=offered, throughput_tokens_per_s=throughput,
-        requests_per_s=len(done) / elapsed, starved=throughput < STARVATION_FRACTION * offered,
+        offered_tokens_per_s=offered, throughput_tokens_per_s=throughput, window_throughput_tokens_per_s=in_window,
+        requests_per_s=len(done) / elapsed, starved=in_window < STARVATION_FRACTION * offered,
         slo_attainment=None if slo is None else sum(slo.met(r) for r in results) / max(1, len(results)),
         ttft_s=percentiles([r.ttft_s for r in done]), tpot_s=percentiles([r.tpot_s for r in done if r.tpot_s]),
         e2e_s=percentiles([r.e2e_s for r in done]))

@@ -8,7 +8,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.sim.capacity import saturation_rps
 from loraplex.sim.features import StepFeatures
 from loraplex.sim.fit import fit_latency
-from loraplex.sim.metrics import Slo
+from loraplex.sim.metrics import RequestResult, Slo, summarize, tokens_by
 from loraplex.sim.profile import Memory, Profile, load_profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, TraceRequest
@@ -139,3 +139,18 @@ def test_shipped_cpu_profile_loads():
     profile = load_profile("cpu-tiny")
     assert profile.fit is not None and profile.fit.samples > 100
     assert isinstance(profile.engine_config(), EngineConfig)
+
+
+def test_starvation_is_judged_within_the_arrival_window():
+    # 10 s of arrivals, one request a second; each takes 100 prompt tokens and 50 output tokens at
+    # 0.1 s per token, so the last replies drain 5 s past the window: not starvation.
+    results = [RequestResult(f"r{i}", None, float(i), 100, 50, 50, ttft_s=0.1, e2e_s=0.1 + 49 * 0.1, tpot_s=0.1)
+               for i in range(10)]
+    summary = summarize(results, duration_s=10.0, elapsed_s=14.9)
+    assert summary.throughput_tokens_per_s < 0.9 * summary.offered_tokens_per_s  # drain included
+    assert not summary.starved
+    assert tokens_by(results[9], 10.0) == pytest.approx(100 + 1 + 0.9 / 0.1)
+    # the same requests served ten times slower fall behind within the window: starvation
+    slow = [RequestResult(r.request_id, None, r.arrival_s, 100, 50, 50, ttft_s=1.0, e2e_s=1.0 + 49, tpot_s=1.0)
+            for r in results]
+    assert summarize(slow, duration_s=10.0, elapsed_s=59.0).starved
