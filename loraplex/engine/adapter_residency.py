@@ -6,6 +6,7 @@ the running set. An adapter with running requests is never evicted.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,13 +47,14 @@ class LruResidency:
         self.num_slots = num_slots
         self._slots: OrderedDict[AdapterId, int] = OrderedDict()  # LRU order, oldest first
         self._pins: dict[AdapterId, int] = {}
+        self._free_slots = list(range(num_slots))  # a min-heap: the lowest free slot is taken first
 
     def acquire(self, adapter: AdapterId) -> SlotGrant | None:
         if adapter in self._slots:
             self._slots.move_to_end(adapter)
             self._pins[adapter] = self._pins.get(adapter, 0) + 1
             return SlotGrant(self._slots[adapter], loaded=False)
-        free = self._free_slot()
+        free = heapq.heappop(self._free_slots) if self._free_slots else None
         evicted = None
         if free is None:
             victim = next((a for a in self._slots if not self._pins.get(a)), None)
@@ -80,14 +82,12 @@ class LruResidency:
         if adapter not in self._slots or self._pins.get(adapter):
             return None
         self._pins.pop(adapter, None)
-        return self._slots.pop(adapter)
+        slot = self._slots.pop(adapter)
+        heapq.heappush(self._free_slots, slot)
+        return slot
 
     def resident(self) -> list[AdapterId]:
         return list(self._slots)
-
-    def _free_slot(self) -> int | None:
-        used = set(self._slots.values())
-        return next((s for s in range(self.num_slots) if s not in used), None)
 
 
 RESIDENCY_POLICIES = {"lru": LruResidency}

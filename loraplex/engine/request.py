@@ -64,10 +64,12 @@ class Request:
 
     def token_slice(self, start: int, count: int) -> list[int]:
         """`all_token_ids[start:start + count]` without building the whole list (a decode step
-        asks for the last token only)."""
+        asks for the last token only, a prefill chunk for part of the prompt)."""
         prompt = self.prompt_token_ids
         if start >= len(prompt):
             return self.output_token_ids[start - len(prompt):start - len(prompt) + count]
+        if start + count <= len(prompt):  # a prompt chunk
+            return prompt[start:start + count]
         return (prompt + self.output_token_ids)[start:start + count]
 
     @property

@@ -109,7 +109,8 @@ class FifoScheduler:
         self._try_retire(adapter)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(adapter_evictions=self._evictions, finished_request_ids=self._finished)
+        out = SchedulerOutput(chunks=[], adapter_loads=[], adapter_evictions=self._evictions,
+                              finished_request_ids=self._finished, preempted_request_ids=[])
         self._evictions, self._finished = [], []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if self.waiting and not out.preempted_request_ids:
@@ -149,16 +150,20 @@ class FifoScheduler:
     # ---- scheduling -------------------------------------------------------------------------
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Runs once per running request per step, hence the locals and the counts read once.
         chunks, allocate, chunk, running = out.chunks, self.kv.allocate, self._chunk, RequestStatus.RUNNING
         for request in list(self.running):  # a copy: preemption removes from self.running
             if budget == 0:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this loop
-            known = len(request.prompt_token_ids) + len(request.output_token_ids)
-            num_tokens = min(known - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
+            num_tokens = num_prompt + num_output - start
+            if num_tokens > budget:
+                num_tokens = budget
             if allocate(request, num_tokens) or self._allocate_or_preempt(request, num_tokens, out):
-                chunks.append(chunk(request, num_tokens))
+                chunks.append(chunk(request, start, num_tokens, num_prompt, num_output))
                 budget -= num_tokens
         return budget
 
@@ -187,16 +192,17 @@ class FifoScheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock.now()
             self.running.append(request)
-            out.chunks.append(self._chunk(request, num_tokens))
+            out.chunks.append(self._chunk(request, request.num_computed_tokens, num_tokens,
+                                          len(request.prompt_token_ids), len(request.output_token_ids)))
             budget -= num_tokens
         self.waiting.extendleft(reversed(skipped))
 
-    def _chunk(self, request: Request, num_tokens: int) -> ScheduledChunk:
-        start = request.num_computed_tokens
-        output = request.output_token_ids
-        num_prompt, num_output = len(request.prompt_token_ids), len(output)
+    def _chunk(self, request: Request, start: int, num_tokens: int, num_prompt: int,
+               num_output: int) -> ScheduledChunk:
+        """`num_tokens` tokens from position `start` (the request's computed tokens); the caller
+        passes the counts it already read."""
         if start >= num_prompt:  # a decode: the common case, sliced here without a call
-            tokens = output[start - num_prompt:start - num_prompt + num_tokens]
+            tokens = request.output_token_ids[start - num_prompt:start - num_prompt + num_tokens]
         else:
             tokens = request.token_slice(start, num_tokens)
         return ScheduledChunk(

@@ -56,9 +56,11 @@ class Filter(Protocol):
 
 
 class Scorer(Protocol):
-    """Scores every candidate in [0, 1], 1 being best. Returns one score per candidate, in order."""
+    """Scores every candidate in [0, 1], 1 being best. Returns one score per candidate, in order.
+    `reads_load`: whether the scores depend on live server state (queue depth, residency)."""
 
     name: str
+    reads_load: bool
 
     def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]: ...
 
@@ -128,15 +130,17 @@ class PhiScorer:
     """φ itself: with the weighted-random picker this is LoRAServe's routing."""
 
     name = "phi"
+    reads_load = False
 
     def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
-        return [min(max(c.phi, 0.0), 1.0) for c in candidates]
+        return clamp_unit([c.phi for c in candidates])
 
 
 class QueueScorer:
     """Shorter queues score higher: min-max normalised, 1.0 for all when the queues are equal."""
 
     name = "queue"
+    reads_load = True
 
     def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
         depths = [c.queue_depth for c in candidates]
@@ -150,6 +154,7 @@ class ResidencyScorer:
     """GPU-resident 1.0, in host memory 0.7, absent 0.0 (the tiers llm-d's load-state scorer uses)."""
 
     name = "residency"
+    reads_load = True
     tiers = {Residency.GPU: 1.0, Residency.HOST: 0.7, Residency.NONE: 0.0}
 
     def score(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
@@ -200,6 +205,12 @@ class Profile:
     picker: Picker
     rng: random.Random = field(default_factory=random.Random)
 
+    @property
+    def reads_load(self) -> bool:
+        """Whether a pick can depend on live server state (queue depth, residency) through a scorer.
+        The filters read it only in AssignedFilter's fallback, when no candidate has φ > 0."""
+        return any(scorer.reads_load for scorer, _ in self.scorers)
+
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
         survivors = list(candidates)
         if not survivors:
@@ -213,9 +224,17 @@ class Profile:
     def _scores(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
         total = [0.0] * len(candidates)
         for scorer, weight in self.scorers:
-            for i, s in enumerate(scorer.score(request, candidates)):
-                total[i] += weight * min(max(s, 0.0), 1.0)
+            scores = clamp_unit(scorer.score(request, candidates))
+            total = [t + weight * s for t, s in zip(total, scores, strict=True)]
         return total
+
+
+def clamp_unit(values: list[float]) -> list[float]:
+    """Every value clamped into [0, 1]. The list itself when all are in range already (the usual case:
+    min and max check that without a Python-level pass; clamping leaves NaN as it is either way)."""
+    if not values or (min(values) >= 0.0 and max(values) <= 1.0):
+        return values
+    return [min(max(v, 0.0), 1.0) for v in values]
 
 
 FILTERS: dict[str, Callable[[], Filter]] = {

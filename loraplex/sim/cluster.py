@@ -4,8 +4,9 @@ policy every interval (the routing table is swapped at once, as routers do on a 
 A discrete-event loop over per-server virtual clocks. A server's step runs from its clock to clock +
 step latency; requests routed to it meanwhile join at its next step boundary, as in the real engine.
 Servers share nothing between arrivals, so each is stepped lazily: only when an arrival needs its
-state (as a routing candidate) is it stepped up to the arrival time, every step that starts at or
-before it, which is exactly the state a loop over all servers in time order would show.
+state (the server it joins, or a routing candidate whose load the router reads) is it stepped up to
+the arrival time, every step that starts at or before it, which is exactly the state a loop over all
+servers in time order would show.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loraplex.placement import (
 )
 from loraplex.routing import RoutingTable
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile
+from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
     RequestResult,
     Slo,
@@ -38,6 +40,7 @@ from loraplex.sim.profile import Profile
 from loraplex.sim.replay import check_fits, make_request, register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest
+from loraplex.spec.adapter import AdapterId
 
 
 @dataclass
@@ -60,11 +63,12 @@ class ClusterRun:
 
 
 class _Server:
-    def __init__(self, index: int, profile: Profile, overrides: dict, adapters: dict[str, int]) -> None:
+    def __init__(self, index: int, profile: Profile, overrides: dict, adapters: dict[str, int],
+                 ids: dict[str, AdapterId]) -> None:
         self.index = index
         self.id = f"sim-{index}"
         self.core, self.clock = make_sim_engine(profile, profile.engine_config(**overrides))
-        self.ids = register_adapters(self.core, adapters)
+        self.ids = register_adapters(self.core, adapters, ids)
         self.requests: list[Request] = []
         self._scheduler = self.core.scheduler
         self._slot_of = self.core.residency.slot_of
@@ -77,7 +81,13 @@ class _Server:
             if not core.step() and scheduler.num_running == 0 and scheduler.has_unfinished():
                 raise RuntimeError(f"{self.id} admits none of its waiting requests while idle")
 
+    def table_candidate(self, phi: float) -> Candidate:
+        """The server as a router that reads no load sees it: the table's φ and its static limits. Every
+        twin server holds every adapter in host memory; the GPU tier and the queue are live state."""
+        return Candidate(self.id, phi=phi, residency=Residency.HOST, max_rank=self._max_rank)
+
     def candidate(self, adapter: str | None, phi: float) -> Candidate:
+        """The server's live state: step it up to the arrival first."""
         scheduler = self._scheduler
         resident = adapter is not None and self._slot_of(self.ids[adapter]) is not None
         return Candidate(self.id, phi=phi, residency=Residency.GPU if resident else Residency.HOST,
@@ -88,10 +98,13 @@ class _Cluster:
     def __init__(self, trace: Trace, profile: Profile, config: ClusterConfig) -> None:
         self.config = config
         self.adapters = trace.adapters()
-        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters) for i in range(config.servers)]
+        ids = {name: sim_adapter_id(name) for name in self.adapters}  # one set of ids shared by every server
+        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters, ids)
+                        for i in range(config.servers)]
         self.by_id = {s.id: s for s in self.servers}
         rng = random.Random(config.seed)
         self.router = make_profile(config.routing, random.Random(rng.random()))
+        self._router_reads_load = self.router.reads_load
         self.policy = make_policy(config.placement, random.Random(rng.random()), hysteresis=config.hysteresis)
         max_rank = self.servers[0].core.config.max_lora_rank
         self.placement_servers = [PlacementServer(s.id, max_rank) for s in self.servers]
@@ -99,6 +112,7 @@ class _Cluster:
                                                                   trace, self.servers[0].core.config)
         self.table: RoutingTable | None = None
         self._offers: dict[str, list[tuple[_Server, float]]] = {}  # adapter -> (server, φ > 0), this table
+        self._table_candidates: dict[str, list[Candidate]] = {}  # adapter -> its offers as table candidates
         self.window_tokens: dict[str, int] = {}
         self.placements = 0
         self.required_servers: list[int] = []
@@ -108,20 +122,32 @@ class _Cluster:
                     for name, rank in sorted(self.adapters.items())]
         placement = self.policy.place(PlacementInput(self.placement_servers, adapters, self.points, self.table))
         self.table = placement.to_table(self.placements + 1, now, adapters)
-        self._offers = {}
+        self._offers, self._table_candidates = {}, {}
         self.placements += 1
         self.required_servers.append(placement.required_servers)
 
     def route(self, request: TraceRequest) -> _Server:
-        """Step the candidate servers up to the arrival, then let the router pick one."""
+        """Let the router pick a server and step that server up to the arrival. Candidates whose live
+        state the router reads are stepped up to it before the pick."""
         # The assigned filter keeps only φ > 0 servers when there are any, so offering just those
-        # gives the same pick and saves building one candidate per server per request.
-        offers = self._offers_for(request.adapter) or [(s, 0.0) for s in self.servers]
-        for server, _ in offers:
-            server.advance(request.arrival_s)
-        candidates = [server.candidate(request.adapter, phi) for server, phi in offers]
-        chosen = self.router.pick(RouteRequest(request.adapter, request.rank or None), candidates)
-        return self.by_id[chosen.server_id]
+        # gives the same pick and saves building one candidate per server per request. Over φ > 0
+        # servers the filters read no load, so a router whose scorers read none either (LoRAServe's
+        # φ alone) picks from the table: its candidates are built once per table, and no server but
+        # the chosen one is stepped (stepping is deterministic per server, so results are the same).
+        adapter, arrival = request.adapter, request.arrival_s
+        offers = self._offers_for(adapter)
+        if offers and not self._router_reads_load:
+            candidates = self._table_candidates.get(adapter)
+            if candidates is None:
+                candidates = self._table_candidates[adapter] = [s.table_candidate(phi) for s, phi in offers]
+        else:
+            offers = offers or [(s, 0.0) for s in self.servers]
+            for server, _ in offers:
+                server.advance(arrival)
+            candidates = [server.candidate(adapter, phi) for server, phi in offers]
+        chosen = self.by_id[self.router.pick(RouteRequest(adapter, request.rank or None), candidates).server_id]
+        chosen.advance(arrival)  # already done when the candidates were stepped
+        return chosen
 
     def _offers_for(self, adapter: str | None) -> list[tuple[_Server, float]]:
         if adapter is None or self.table is None:
@@ -138,19 +164,20 @@ def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo:
         raise ValueError("a cluster needs at least one server")
     config_0 = profile.engine_config(**config.engine_overrides)
     check_fits(trace, config_0.max_model_len, config_0.max_lora_rank)
-    cluster = _Cluster(trace, profile, config)
-    duration = trace_duration(trace)
-    cluster.place(0.0, _mean_demand(trace, duration))  # the declared (expected) demand of every adapter
-    next_placement = config.interval_s
-    for request in trace.requests:
-        while request.arrival_s >= next_placement:
-            cluster.place(next_placement, {a: t / config.interval_s for a, t in cluster.window_tokens.items()})
-            cluster.window_tokens = {}
-            next_placement += config.interval_s
-        _admit(cluster, request)
-    for server in cluster.servers:
-        server.advance(float("inf"))
-    return _collect(cluster, trace, duration, slo)
+    with cyclic_gc_paused():
+        cluster = _Cluster(trace, profile, config)
+        duration = trace_duration(trace)
+        cluster.place(0.0, _mean_demand(trace, duration))  # the declared (expected) demand of every adapter
+        next_placement = config.interval_s
+        for request in trace.requests:
+            while request.arrival_s >= next_placement:
+                cluster.place(next_placement, {a: t / config.interval_s for a, t in cluster.window_tokens.items()})
+                cluster.window_tokens = {}
+                next_placement += config.interval_s
+            _admit(cluster, request)
+        for server in cluster.servers:
+            server.advance(float("inf"))
+        return _collect(cluster, trace, duration, slo)
 
 
 def _admit(cluster: _Cluster, request: TraceRequest) -> None:

@@ -23,23 +23,28 @@ class SimExecutor:
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         if output.adapter_loads or output.adapter_evictions:
             self.slots.apply(output)
-        elapsed = self.step_seconds(output)
+        sampled: dict[str, SampledToken] = {}
+        elapsed = self.step_seconds(output, sampled)
         if not elapsed > 0.0:  # max(0.0, elapsed), without the call
             elapsed = 0.0
         self.clock.advance(elapsed)
         self.busy_s += elapsed
-        return ExecutorResult({chunk.request_id: DUMMY_TOKEN for chunk in output.chunks if chunk.sample}, elapsed)
+        return ExecutorResult(sampled, elapsed)
 
-    def step_seconds(self, output: SchedulerOutput) -> float:
+    def step_seconds(self, output: SchedulerOutput, sampled: dict[str, SampledToken] | None = None) -> float:
         """Profile.step_seconds(SlotRanks.features(output)) in one pass with no objects built: this
         runs once per simulated step (tests check the two agree; keep the sum's order, so results stay
-        bit-identical)."""
+        bit-identical). The same pass fills `sampled` with the token of every chunk that samples."""
         (w_intercept, w_batch, w_adapters, w_batch_x_adapters, w_rank_sum, w_batch_x_max_rank, w_prefill,
          w_prefill_rank, w_context, w_padded_context, w_loads, w_load_rank_sum) = self._w
         rank_of = self.slots.rank_of
+        if sampled is None:
+            sampled = {}
         rank_sum = max_rank = prefill = prefill_rank = context = decodes = max_ctx = 0
         slots = set()
         for chunk in output.chunks:
+            if chunk.sample:
+                sampled[chunk.request_id] = DUMMY_TOKEN
             slot = chunk.adapter_slot
             rank = rank_of(slot, 0)
             n = len(chunk.token_ids)

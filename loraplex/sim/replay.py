@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
@@ -46,9 +47,15 @@ def register_adapters(core: EngineCore, adapters: dict[str, int], ids: dict[str,
 
 
 def make_request(request: TraceRequest, origin: float, adapter: AdapterId | None, prompt: Prompt) -> Request:
-    return Request(request.request_id, prompt(request),
-                   SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0),
+    return Request(request.request_id, prompt(request), replay_sampling(request.output_len),
                    adapter=adapter, arrival_time=origin + request.arrival_s)
+
+
+@lru_cache(maxsize=4096)
+def replay_sampling(max_tokens: int) -> SamplingParams:
+    """A replayed request generates exactly `max_tokens` tokens. SamplingParams is frozen, so requests of
+    one length share one instance (validated once, not once per request)."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore, EngineStats
 from loraplex.sim.executor import SimExecutor
+from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
     RequestResult,
     Slo,
@@ -48,7 +49,8 @@ def simulate_server(trace: Trace, profile: Profile, config: EngineConfig | None 
     def jump(t: float) -> None:
         clock.advance(max(0.0, t - clock.now()))
 
-    log = replay(core, trace, ids, sim_prompt, jump, horizon_s)
+    with cyclic_gc_paused():
+        log = replay(core, trace, ids, sim_prompt, jump, horizon_s)
     results = [result_of(req, log.origin, req.adapter.name if req.adapter else None) for req in log.requests]
     summary = summarize(results, trace_duration(trace), log.end - log.origin, slo, offered_tokens(trace))
     return ServerRun(results, summary, core.stats())

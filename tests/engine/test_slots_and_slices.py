@@ -1,0 +1,42 @@
+"""Adapter slot numbering and request token slices."""
+
+from __future__ import annotations
+
+from loraplex.engine.adapter_residency import LruResidency
+from loraplex.engine.request import Request
+from loraplex.engine.sampling import SamplingParams
+from loraplex.spec.adapter import AdapterId
+
+
+def ids(*names: str) -> list[AdapterId]:
+    return [AdapterId(n, f"sha256:{n}") for n in names]
+
+
+def test_a_retired_slot_is_reused_lowest_first():
+    a, b, c, d, e = ids("a", "b", "c", "d", "e")
+    slots = LruResidency(3)
+    assert [slots.acquire(x).slot for x in (a, b, c)] == [0, 1, 2]
+    for x in (a, b):
+        slots.release(x)
+    assert slots.retire(b) == 1 and slots.retire(a) == 0
+    assert slots.acquire(d).slot == 0 and slots.acquire(e).slot == 1
+    assert slots.acquire(b) is None  # every slot pinned
+
+
+def test_an_eviction_takes_the_least_recently_used_unpinned_slot():
+    a, b, c = ids("a", "b", "c")
+    slots = LruResidency(2)
+    slots.acquire(a)
+    slots.acquire(b)
+    slots.release(a)
+    grant = slots.acquire(c)
+    assert (grant.slot, grant.loaded, grant.evicted) == (0, True, a)
+
+
+def test_token_slices_match_the_whole_sequence():
+    request = Request("r", [10, 11, 12, 13], SamplingParams())
+    request.output_token_ids.extend([20, 21])
+    whole = request.all_token_ids
+    for start in range(len(whole)):
+        for count in range(1, len(whole) - start + 1):
+            assert request.token_slice(start, count) == whole[start:start + count]
