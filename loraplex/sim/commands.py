@@ -180,11 +180,12 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (--compare, --slo-aware)")
     p.add_argument("--slo-target", type=float, default=0.95,
                    help="--compare: baselines must reach min(this, the plan's SLO attainment)")
-    p.add_argument("--slo-aware", action="store_true",
+    p.add_argument("--slo-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="the planner also closes a GPU before its SLO attainment (--slo-ttft) falls below "
-                        "--slo-target, not only before it starves")
+                        "--slo-target, not only before it starves (default; --no-slo-aware: the paper's "
+                        "starvation rule alone, whose plans can starve, docs/benchmarks.md)")
     p.add_argument("--random-seeds", type=int, default=3, help="--compare: seeds of random placement (median)")
-    p.add_argument("--oracle-duration", type=float, default=60.0, help="seconds of twin run per question")
+    p.add_argument("--oracle-duration", type=float, default=120.0, help="seconds of twin run per question")
     p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
     p.add_argument("--out", default=None, help="also write the JSON result here")
 

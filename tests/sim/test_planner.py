@@ -7,10 +7,11 @@ import json
 import pytest
 
 from loraplex.cli import main
-from loraplex.sim.metrics import Slo
+from loraplex.sim.metrics import RequestResult, Slo
 from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadSummary, plan
 from loraplex.sim.planner.compare import check_plan
 from loraplex.sim.planner.greedy import priority_sort
+from loraplex.sim.planner.oracle import attainment_by
 from loraplex.sim.profile import Memory, Profile
 from loraplex.sim.trace import write_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
@@ -94,3 +95,25 @@ def test_the_surrogate_learns_from_twin_runs():
         assert (model.classifier.predict(x) == starved).mean() > 0.9
         result = plan(light, PROFILE, model)
         assert sorted(result.assignment) == sorted(a.name for a in light.adapters)
+
+
+def test_slo_aware_oracle_leaves_out_requests_the_horizon_cut_off():
+    def result(arrival: float, ttft: float | None, e2e: float | None) -> RequestResult:
+        return RequestResult("r", "a", arrival, 10, 500, 1 if ttft is not None else 0, ttft, e2e, None)
+
+    results = [result(1.0, 0.5, 20.0),  # met
+               result(50.0, 0.5, None),  # first token in time, still generating at the horizon: met
+               result(55.0, 3.0, None),  # first token too late: missed
+               result(40.0, None, None),  # waited past its deadline: missed
+               result(59.0, None, None)]  # deadline after the horizon: not counted
+    assert attainment_by(results, Slo(2.0), 60.0) == pytest.approx(2 / 4)
+
+
+def test_slo_aware_plans_do_not_fail_on_long_replies():
+    # Replies that outlast the oracle's horizon (~4 s each, ~7% of a 60 s run) once counted as SLO
+    # misses, and an adapter at light load "starved a GPU on its own".
+    spec = WorkloadSpec(seed=0, duration_s=120, rps=4.0, lengths=Lengths(profile="fixed", prompt_len=64, output_len=800),
+                        adapters=Adapters(count=4, popularity={"mode": "zipf", "zipf_s": 0.8}))
+    trace = generate(spec)
+    oracle = TwinOracle(PROFILE, duration_s=60, slo=Slo(2.0), slo_target=0.95)
+    assert plan(WorkloadSummary.from_trace(trace), PROFILE, oracle).num_gpus >= 1

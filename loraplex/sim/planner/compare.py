@@ -134,7 +134,9 @@ def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, s
                       random_seeds: int = 3, points: OperatingPoints | None = None) -> list[Baseline]:
     """replicate-all once (its placement does not depend on the seed; routing does, slightly) and
     random once per seed, reporting the median count. Each run takes the best of `slots` (one
-    entry: fixed slots for everyone)."""
+    entry: fixed slots for everyone). Every run starts at the planner's count: random placement is
+    not monotone in the server count (a seed that passes with 5 servers can fail with 6), so a
+    walk started elsewhere, e.g. at the previous seed's count, can stop at a worse answer."""
     out = []
     for policy in BASELINES:
         seeds = range(random_seeds if policy == "random" else 1)

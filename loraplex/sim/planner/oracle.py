@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from loraplex.sim.metrics import Slo
+from loraplex.sim.metrics import RequestResult, Slo
 from loraplex.sim.planner.workload import AdapterDemand
 from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
@@ -74,10 +74,26 @@ class TwinOracle:
             # throughput over the arrival window, as the paper's twin measures it: a drain tail after
             # the last arrival is not starvation (on a slow GPU model, a few long requests at light
             # load would otherwise look starved in a short run)
-            summary = simulate_server(trace, self.profile, config, self.slo, horizon_s=self.duration_s).summary
-            missed = summary.slo_attainment is not None and summary.slo_attainment < self.slo_target
+            run = simulate_server(trace, self.profile, config, horizon_s=self.duration_s)
+            missed = self.slo is not None and attainment_by(run.results, self.slo, self.duration_s) < self.slo_target
+            summary = run.summary
             self._cache[gpu] = (summary.throughput_tokens_per_s, summary.starved or missed)
         return self._cache[gpu]
+
+
+def attainment_by(results: list[RequestResult], slo: Slo, horizon_s: float) -> float:
+    """SLO attainment over the requests whose TTFT is decided by `horizon_s`: those that got their
+    first token, and those still waiting past their deadline. A request the run stopped before its
+    deadline is left out (the horizon cut it off, not the GPU), and so is the TPOT of one that had
+    not finished: counting them as misses would call any GPU with long replies full."""
+    met = decided = 0
+    for r in results:
+        if r.ttft_s is None and (slo.ttft_s is None or r.arrival_s + slo.ttft_s > horizon_s):
+            continue
+        decided += 1
+        met += (r.ttft_s is not None and (slo.ttft_s is None or r.ttft_s <= slo.ttft_s)
+                and (slo.tpot_s is None or r.tpot_s is None or r.tpot_s <= slo.tpot_s))
+    return met / decided if decided else 1.0
 
 
 def fits_memory(profile: Profile, slots: int, max_rank: int) -> bool:
