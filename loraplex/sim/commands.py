@@ -186,6 +186,11 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                         "starvation rule alone, whose plans can starve, docs/benchmarks.md)")
     p.add_argument("--random-seeds", type=int, default=3, help="--compare: seeds of random placement (median)")
     p.add_argument("--oracle-duration", type=float, default=120.0, help="seconds of twin run per question")
+    p.add_argument("--oracle", choices=["twin", "forest", "tree"], default="twin",
+                   help="who answers the planner's questions: the twin itself, or the paper's surrogate "
+                        "trained on twin runs (random forests, or one shallow tree each)")
+    p.add_argument("--surrogate-samples", type=int, default=200,
+                   help="--oracle forest|tree: twin runs to train on")
     p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
     p.add_argument("--out", default=None, help="also write the JSON result here")
 

@@ -17,10 +17,26 @@ from loraplex.sim.metrics import Slo
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.planner.compare import baseline_json, check_plan, compare_baselines, slot_choices
 from loraplex.sim.planner.greedy import PlanError, plan
-from loraplex.sim.planner.oracle import TwinOracle
+from loraplex.sim.planner.oracle import Oracle, TwinOracle
+from loraplex.sim.planner.surrogate import distill, train_surrogate, twin_dataset
 from loraplex.sim.planner.workload import WorkloadSummary
-from loraplex.sim.profile import load_profile
+from loraplex.sim.profile import Profile, load_profile
 from loraplex.sim.trace import read_trace
+
+MIN_SURROGATE_SAMPLES = 10
+
+
+def make_oracle(args: argparse.Namespace, profile: Profile, summary: WorkloadSummary) -> Oracle:
+    """The twin itself, or the paper's surrogate (random forests, or one shallow tree each) trained
+    on `--surrogate-samples` twin runs at the workload's mean lengths."""
+    slo = Slo(args.slo_ttft) if args.slo_aware else None
+    if args.oracle == "twin":
+        return TwinOracle(profile, args.oracle_duration, slo=slo, slo_target=args.slo_target)
+    if args.surrogate_samples < MIN_SURROGATE_SAMPLES:
+        raise CommandError(f"--surrogate-samples must be at least {MIN_SURROGATE_SAMPLES}")
+    data = twin_dataset(profile, args.surrogate_samples, summary.prompt_len, summary.output_len,
+                        duration_s=args.oracle_duration, slo=slo, slo_target=args.slo_target)
+    return train_surrogate(*data) if args.oracle == "forest" else distill(*data)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,9 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     started = time.perf_counter()
     try:
-        oracle = TwinOracle(profile, args.oracle_duration, slo=Slo(args.slo_ttft) if args.slo_aware else None,
-                            slo_target=args.slo_target)
-        result = plan(WorkloadSummary.from_trace(trace), profile, oracle, max_slots=None if searched else slots)
+        summary = WorkloadSummary.from_trace(trace)
+        result = plan(summary, profile, make_oracle(args, profile, summary), max_slots=None if searched else slots)
     except PlanError as exc:
         raise CommandError(str(exc)) from None
     plan_s = time.perf_counter() - started
@@ -46,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     verdict = check_plan(result, trace, profile, slo)
     ranks = trace.adapters()
     doc = {"workload": trace.workload, "profile": profile.name, "max_loras": "searched" if searched else slots,
-           "slo_ttft_s": args.slo_ttft, "slo_aware": args.slo_aware,
+           "slo_ttft_s": args.slo_ttft, "slo_aware": args.slo_aware, "oracle": args.oracle,
            "planner": {"gpus": result.num_gpus, "a_max": result.a_max,
                        "s_max": [max(ranks[a] for a in result.gpu_adapters(g)) for g in range(result.num_gpus)],
                        "starved_in_twin": verdict.starved,

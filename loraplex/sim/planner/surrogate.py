@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from loraplex.sim.metrics import Slo
 from loraplex.sim.planner.greedy import TESTING_POINTS
 from loraplex.sim.planner.oracle import GpuLoad, TwinOracle
 from loraplex.sim.planner.workload import AdapterDemand
@@ -54,10 +55,12 @@ def _on_grid(gpu: GpuLoad) -> GpuLoad:
 
 
 def twin_dataset(profile: Profile, samples: int, prompt_len: float, output_len: float, rate_scale: float = 1.0,
-                 seed: int = 0, duration_s: float = 60.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(features, throughput, starved) of `samples` random GPU workloads run on the twin."""
+                 seed: int = 0, duration_s: float = 60.0, slo: Slo | None = None, slo_target: float = 0.0
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(features, throughput, starved) of `samples` random GPU workloads run on the twin; with an
+    `slo`, "starved" also means SLO attainment below `slo_target` (as TwinOracle judges it)."""
     rng = np.random.default_rng(seed)
-    oracle = TwinOracle(profile, duration_s, seed)
+    oracle = TwinOracle(profile, duration_s, seed, slo=slo, slo_target=slo_target)
     x, tps, starved = [], [], []
     for _ in range(samples):
         gpu = random_gpu_load(rng, prompt_len, output_len, rate_scale)
