@@ -77,6 +77,20 @@ async def test_drops_unassigned_adapters_but_never_the_last_copy(member):
     assert member.store.get_adapter(b).locations == {ME}  # the last copy stays
 
 
+async def test_an_adapter_with_a_request_in_flight_is_not_evicted(member):
+    a, _, c = member.names
+    publish(member.store, 1, {a: ME, c: OTHER})
+    await member.reconcile()
+    member.store.add_location(a, OTHER)
+    publish(member.store, 2, {a: OTHER, c: OTHER})
+    with member.pinned(a):  # what the agent's middleware holds from before the load to the response's end
+        for _ in range(3):
+            await member.reconcile()
+        assert a in member.engine.adapters and ME in member.store.get_adapter(a).locations
+    await member.reconcile()
+    assert a not in member.engine.adapters  # unpinned: evicted on the next pass
+
+
 async def test_a_request_for_an_unassigned_adapter_loads_it_lazily(member):
     a, _, c = member.names
     publish(member.store, 1, {a: ME, c: OTHER})

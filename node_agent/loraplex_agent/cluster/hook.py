@@ -67,14 +67,17 @@ class EnsureAdapterMiddleware:
         if scope["type"] == "http" and scope["method"] == "POST":
             name = dict(scope["headers"]).get(ADAPTER_HEADER)
             if name:
-                try:
-                    await self.member.ensure(name.decode())
-                except LoraplexError as exc:
-                    await _send_error(send, exc)
-                    return
-                except StoreUnavailableError as exc:  # 503 lets the router try another server
-                    await _send_error(send, OverloadedError(f"cannot load adapter now: {exc}"))
-                    return
+                with self.member.pinned(name.decode()):  # from before the load until the response ends
+                    try:
+                        await self.member.ensure(name.decode())
+                    except LoraplexError as exc:
+                        await _send_error(send, exc)
+                        return
+                    except StoreUnavailableError as exc:  # 503 lets the router try another server
+                        await _send_error(send, OverloadedError(f"cannot load adapter now: {exc}"))
+                        return
+                    await self.app(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 

@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterator
 
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
@@ -42,6 +44,8 @@ class ClusterMember:
         self._unassigned_once: set[str] = set()
         self._managed: dict[str, AdapterRecord] = {}  # adapters this member fetched, by name
         self._loading: dict[str, asyncio.Task] = {}
+        self._pins: Counter[str] = Counter()  # requests in flight per adapter: never evicted under them
+        self._unloading: set[str] = set()
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
         self._subscription: Subscription | None = None
@@ -132,15 +136,20 @@ class ClusterMember:
 
     async def _evict(self, records: dict[str, AdapterRecord]) -> None:
         stale = {n for n in self._managed if n not in self._assigned}
+        me = self.settings.server_id
         for name in sorted(stale & self._unassigned_once):
-            if await asyncio.to_thread(self.store.remove_location, name, self.settings.server_id):
-                await self._unload(name)
-            else:
+            if self._pins[name]:
+                continue  # requests are on their way to it: the next pass looks again
+            if not await asyncio.to_thread(self.store.remove_location, name, me):
                 log.info("keeping adapter %s: this is its last copy", name)
+            elif self._pins[name]:  # a request arrived while the store answered
+                await asyncio.to_thread(self.store.add_location, name, me)
+            else:
+                await self._unload(name)
         self._unassigned_once = stale
         for name, record in records.items():  # a new version replaced the one loaded here
             managed = self._managed.get(name)
-            if managed and managed.digest != record.digest and name not in self._loading:
+            if managed and managed.digest != record.digest and name not in self._loading and not self._pins[name]:
                 await self._unload(name)
 
     async def _assert_locations(self, records: dict[str, AdapterRecord]) -> None:
@@ -152,15 +161,34 @@ class ClusterMember:
 
     async def _unload(self, name: str) -> None:
         record = self._managed.pop(name)
-        with contextlib.suppress(NotFoundError):  # already gone
-            await self.engine.remove_adapter(name)
+        self._unloading.add(name)
+        try:
+            with contextlib.suppress(NotFoundError):  # already gone
+                await self.engine.remove_adapter(name)
+        finally:
+            self._unloading.discard(name)
         self.fetcher.remove(record)
         log.info("dropped adapter %s from host memory", name)
 
     # ---- lazy load --------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def pinned(self, name: str) -> Iterator[None]:
+        """Keep adapter `name` from being evicted while a request for it is in flight here."""
+        self._pins[name] += 1
+        try:
+            yield
+        finally:
+            self._pins[name] -= 1
+            if not self._pins[name]:
+                del self._pins[name]
+
     async def ensure(self, name: str) -> None:
-        """Make sure the pool's adapter `name` is loaded here (503 if the registry does not know it)."""
+        """Make sure the pool's adapter `name` is loaded here (503 if the registry does not know it,
+        or if it is being unloaded here right now: the router then tries a server that holds it)."""
+        if name in self._unloading:
+            raise OverloadedError(f"adapter {name!r} is being unloaded from this server",
+                                  code="adapter_unloading")
         if name in self.engine.adapters and name not in self._loading:
             return
         task = self._loading.get(name)
