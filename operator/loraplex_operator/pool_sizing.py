@@ -10,14 +10,14 @@ import functools
 from dataclasses import dataclass
 
 from loraplex.placement.controller import build_input
-from loraplex.sim.planner import TwinOracle, plan
+from loraplex.sim.planner import plan
 from loraplex.sim.profile import Profile, load_profile
 from loraplex.spec.crd import AdapterPoolSpec, AdapterPoolStatus, Condition
 from loraplex_operator.adapter_status import Event
 from loraplex_operator.deps import Deps
 from loraplex_operator.planner_runner import PlanOutcome
 from loraplex_operator.pool_status import PLANNED
-from loraplex_operator.sizing import check_profile, plan_key, workload_summary
+from loraplex_operator.sizing import check_profile, plan_key, planner_oracle, workload_summary
 
 INVALID_SIZING = "InvalidSizing"  # the reason of a sizing spec the operator cannot use
 NO_ADAPTERS = "NoAdapters"
@@ -93,9 +93,8 @@ def _ask(pool: str, spec: AdapterPoolSpec, profile: Profile, deps: Deps) -> bool
     summary = workload_summary(adapters, spec.sizing)
     if summary is None:
         return False
-    oracle_seconds, max_slots = spec.sizing.oracle_seconds, spec.engine.max_loras
-    deps.planner.ask(pool, plan_key(summary, spec.sizing, max_slots),
-                     lambda: plan(summary, profile, TwinOracle(profile, oracle_seconds), max_slots=max_slots))
+    oracle, max_slots = planner_oracle(profile, spec), spec.engine.max_loras
+    deps.planner.ask(pool, plan_key(summary, spec), lambda: plan(summary, profile, oracle, max_slots=max_slots))
     return True
 
 

@@ -14,13 +14,16 @@ import math
 from collections.abc import Sequence
 
 from loraplex.placement.snapshot import PlacementAdapter
-from loraplex.sim.planner import AdapterDemand, WorkloadSummary
+from loraplex.sim.metrics import Slo
+from loraplex.sim.planner import AdapterDemand, TwinOracle, WorkloadSummary
 from loraplex.sim.profile import Profile
-from loraplex.spec.crd import SizingSpec
+from loraplex.spec.crd import AdapterPoolSpec, SizingSpec, SloSpec
 
 RATE_STEP = 1.05
 # An adapter with no demand still needs a slot somewhere; the twin needs a positive rate to draw from.
 MIN_RATE_RPS = 1e-3
+# The pool's SLO is stated as P95 latencies: a planned server must meet it for 95% of its requests.
+SLO_ATTAINMENT = 0.95
 
 
 def rounded_rate(rate_rps: float) -> float:
@@ -52,8 +55,22 @@ def check_profile(profile: Profile, sizing: SizingSpec) -> None:
                          f"exceeds the max_model_len {limit} of profile {profile.name!r}")
 
 
-def plan_key(summary: WorkloadSummary, sizing: SizingSpec, max_slots: int) -> str:
+def planner_slo(slo: SloSpec) -> Slo:
+    """The pool's latency SLO as the twin judges it per request."""
+    return Slo(slo.ttft_p95_seconds, slo.tbt_p95_seconds)
+
+
+def planner_oracle(profile: Profile, spec: AdapterPoolSpec) -> TwinOracle:
+    """The twin oracle a pool is planned with: a server counts as full when it would starve or miss
+    the pool's SLO for more than 5% of its requests."""
+    return TwinOracle(profile, spec.sizing.oracle_seconds, slo=planner_slo(spec.placement.slo),
+                      slo_target=SLO_ATTAINMENT)
+
+
+def plan_key(summary: WorkloadSummary, spec: AdapterPoolSpec) -> str:
     """A digest of everything the plan depends on: equal keys, equal plans."""
-    text = json.dumps([sizing.profile, sizing.oracle_seconds, max_slots, summary.prompt_len, summary.output_len,
+    sizing, slo = spec.sizing, spec.placement.slo
+    text = json.dumps([sizing.profile, sizing.oracle_seconds, spec.engine.max_loras, slo.ttft_p95_seconds,
+                       slo.tbt_p95_seconds, summary.prompt_len, summary.output_len,
                        [[a.name, a.rank, a.rate_rps] for a in summary.adapters]])
     return hashlib.sha256(text.encode()).hexdigest()

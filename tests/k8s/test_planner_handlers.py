@@ -15,6 +15,7 @@ from loraplex_operator.sizing import rounded_rate
 from operator_world import NS, World
 
 from loraplex.routing.demand import DEFAULT_WINDOW_S, bucket_of
+from loraplex.sim.metrics import Slo
 from loraplex.sim.planner import AdapterDemand, Plan, TwinOracle, WorkloadSummary, plan
 from loraplex.sim.profile import load_profile
 
@@ -77,7 +78,8 @@ def _direct_plan(tps: float, count: int = 4, rank: int = 16) -> Plan:
     """What `loraplex sim plan` would answer for the same workload."""
     profile = load_profile("cpu-tiny")
     demand = tuple(AdapterDemand(f"a{i}", rank, rounded_rate(tps / TOKENS)) for i in range(count))
-    return plan(WorkloadSummary(demand, 256.0, 64.0), profile, TwinOracle(profile, 5.0), max_slots=8)
+    oracle = TwinOracle(profile, 5.0, slo=Slo(2.0), slo_target=0.95)  # the pool's default SLO: P95 TTFT 2 s
+    return plan(WorkloadSummary(demand, 256.0, 64.0), profile, oracle, max_slots=8)
 
 
 def test_the_plan_sizes_the_pool_and_an_unchanged_demand_is_not_planned_again(

@@ -11,12 +11,14 @@ from loraplex_operator.sizing import (
     RATE_STEP,
     check_profile,
     plan_key,
+    planner_oracle,
     rounded_rate,
     workload_summary,
 )
 from pydantic import ValidationError
 
 from loraplex.placement.snapshot import PlacementAdapter
+from loraplex.sim.metrics import Slo
 from loraplex.sim.planner import Plan, PlanError
 from loraplex.sim.profile import load_profile
 from loraplex.spec.crd import AdapterPoolSpec, AdapterPoolStatus, Condition, SizingSpec
@@ -50,13 +52,27 @@ def test_summary_turns_tokens_per_second_into_requests_per_second() -> None:
     assert workload_summary([], SIZING) is None
 
 
+def _spec(**changes: object) -> AdapterPoolSpec:
+    spec = {"baseModel": {"name": "m", "source": "hf://m"}, "engine": {"maxLoras": 8},
+            "sizing": SIZING.model_dump(by_alias=True)}
+    return AdapterPoolSpec.model_validate({**spec, **changes})
+
+
 def test_key_follows_demand_and_settings() -> None:
     summary = workload_summary([_adapter("a", 16, 640.0)], SIZING)
     wobble = workload_summary([_adapter("a", 16, 641.0)], SIZING)
     assert summary is not None and wobble is not None
-    assert plan_key(summary, SIZING, 8) == plan_key(wobble, SIZING, 8)  # within one rate step
-    longer = SIZING.model_copy(update={"oracle_seconds": 120.0})
-    assert len({plan_key(summary, SIZING, 8), plan_key(summary, SIZING, 4), plan_key(summary, longer, 8)}) == 3
+    assert plan_key(summary, _spec()) == plan_key(wobble, _spec())  # within one rate step
+    longer = {**SIZING.model_dump(by_alias=True), "oracleSeconds": 120.0}
+    variants = [_spec(), _spec(engine={"maxLoras": 4}), _spec(sizing=longer),
+                _spec(placement={"slo": {"ttftP95Seconds": 1.0}}), _spec(placement={"slo": {"tbtP95Seconds": 0.1}})]
+    assert len({plan_key(summary, spec) for spec in variants}) == len(variants)
+
+
+def test_the_planner_holds_servers_to_the_pools_p95_slo() -> None:
+    oracle = planner_oracle(load_profile("cpu-tiny"), _spec(placement={"slo": {"ttftP95Seconds": 1.5,
+                                                                                "tbtP95Seconds": 0.2}}))
+    assert (oracle.slo, oracle.slo_target) == (Slo(1.5, 0.2), 0.95)
 
 
 def test_lengths_beyond_the_profiles_model_length_are_refused() -> None:

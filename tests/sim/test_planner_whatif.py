@@ -77,3 +77,11 @@ def test_a_failed_testing_point_is_retried_with_fewer_adapters_before_the_gpu_cl
     result = plan(summary, whatif_profile(), RateCapOracle(20.0))
     # the paper's rule would close each GPU at 16 adapters (the batch to 32 starves): 3 GPUs
     assert [len(result.gpu_adapters(g)) for g in range(result.num_gpus)] == [20, 20]
+
+
+def test_an_adapter_that_does_not_fit_is_passed_over_for_smaller_ones_behind_it():
+    rates = [8.0] * 3 + [2.0] * 6  # the zigzag order is 8, 2, 8, 2, 8, 2, 2, 2, 2
+    summary = WorkloadSummary(tuple(AdapterDemand(f"a{i}", 8, r) for i, r in enumerate(rates)), 100, 20)
+    result = plan(summary, whatif_profile(), RateCapOracle(12.0))
+    # closing a GPU at the first 8 that does not fit leaves each at 8 + 2 and needs a fourth GPU
+    assert [sum(rates[int(a[1:])] for a in result.gpu_adapters(g)) for g in range(result.num_gpus)] == [12.0] * 3

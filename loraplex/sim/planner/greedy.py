@@ -3,10 +3,12 @@
 Adapters are sorted by rank (largest first) and, within a rank, by rate in a zigzag (high, low,
 high, ...). One GPU is filled at a time: adapters are added provisionally up to the next testing
 point, where the oracle is asked whether the GPU still does not starve and whether the next A_max
-gives more throughput; the batch is committed, or rolled back and the GPU closed. Our addition: a
-batch that starves the GPU is retried with half as many adapters, down to one, before the GPU is
-closed. The paper closes at the first failed point, which leaves up to half of a GPU's capacity
-unused when the batch that fails is large (and a GPU whose first batch starves unusable).
+gives more throughput; the batch is committed, or rolled back and the GPU closed. Our additions: a
+batch that starves the GPU is retried with half as many adapters, down to one; an adapter that does
+not fit on its own is passed over (it heads the next GPU) and the adapters behind it are tried, up
+to `MAX_SKIPS` of them, before the GPU closes. The paper closes at the first failed point, which
+leaves up to half of a GPU's capacity unused when the batch that fails is large, and the zigzag
+order puts a cold adapter that would still fit right behind a hot one that does not.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from loraplex.sim.planner.workload import AdapterDemand, WorkloadSummary
 from loraplex.sim.profile import Profile
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576)
+# adapters that do not fit a GPU on their own, passed over before the GPU closes (each costs a few
+# oracle calls; the paper closes at the first)
+MAX_SKIPS = 4
 
 
 class PlanError(RuntimeError):
@@ -75,26 +80,31 @@ def plan(workload: WorkloadSummary, profile: Profile, oracle: Oracle | None = No
 def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: Profile, oracle: Oracle,
               max_slots: int | None) -> tuple[list[AdapterDemand], int, float]:
     committed: list[AdapterDemand] = []
+    skipped: list[AdapterDemand] = []
     slots, tps = 0, 0.0
     for point in TESTING_POINTS:
-        if not queue:
-            break
         take = point - len(committed)
-        while True:
+        while queue and len(committed) < point and len(skipped) < MAX_SKIPS:
+            take = min(take, point - len(committed))
             provisional = [queue.popleft() for _ in range(min(take, len(queue)))]
             ok, new_slots, new_tps = _test(committed + provisional, slots, point, workload, profile, oracle,
                                            max_slots)
             if ok:
                 committed += provisional
                 slots, tps = new_slots, new_tps
-                break
+                continue
             queue.extendleft(reversed(provisional))  # back to the front, order kept
-            if take == 1:
-                if committed:
-                    return committed, slots, tps  # close this GPU at its last committed state
+            if take > 1:
+                take //= 2
+                continue
+            if not committed:
                 raise PlanError(f"adapter {queue[0].name} (rank {queue[0].rank}, {queue[0].rate_rps:.3g} req/s) "
                                 "starves a GPU on its own; it would need replicas, which this planner does not make")
-            take //= 2
+            skipped.append(queue.popleft())  # left for the next GPU; smaller ones behind it may still fit
+            take = point - len(committed)
+        if not queue or len(skipped) >= MAX_SKIPS:
+            break
+    queue.extendleft(reversed(skipped))
     return committed, slots, tps
 
 
