@@ -10,8 +10,9 @@ from loraplex.cli import main
 from loraplex.sim.metrics import RequestResult, Slo
 from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadSummary, plan
 from loraplex.sim.planner.compare import check_plan
+from loraplex.sim.planner.floor import server_floor
 from loraplex.sim.planner.greedy import priority_sort
-from loraplex.sim.planner.oracle import attainment_by
+from loraplex.sim.planner.oracle import GpuLoad, attainment_by
 from loraplex.sim.profile import Memory, Profile
 from loraplex.sim.trace import write_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
@@ -68,6 +69,7 @@ def test_plan_command_compares(tmp_path, capsys):
     assert len(baselines["replicate-all"]["per_seed"]) == 1 and len(baselines["random"]["per_seed"]) == 2
     for b in baselines.values():  # each count is the fewest servers that reach the same SLO target
         assert b["gpus"] >= 1 and min(b["slo_attainment"]) >= doc["slo_target"]
+    assert 1 <= doc["server_floor"] <= min([doc["planner"]["gpus"]] + [b["gpus"] for b in baselines.values()])
 
 
 def test_plan_command_with_the_distilled_surrogate(tmp_path, capsys):
@@ -80,6 +82,24 @@ def test_plan_command_with_the_distilled_surrogate(tmp_path, capsys):
     assert doc["oracle"] == "tree" and doc["planner"]["gpus"] >= 1
     assert main([*args, "--surrogate-samples", "3"]) == 2
     assert "--surrogate-samples must be at least 10" in capsys.readouterr().err
+
+
+def test_the_server_floor_is_the_rate_over_one_single_adapter_servers_capacity():
+    summary = WorkloadSummary.from_trace(generate(workload(100.0, 40)))
+    slo = Slo(ttft_s=2.0)
+    floor = server_floor(summary, PROFILE, slo, 0.95, duration_s=60)
+    assert floor == server_floor(summary, PROFILE, slo, 0.95, duration_s=60)  # deterministic
+    total = sum(a.rate_rps for a in summary.adapters)
+    oracle = TwinOracle(PROFILE, 60, headroom=1.0, slo=slo, slo_target=0.95)
+
+    def one_server(rate: float) -> GpuLoad:
+        return GpuLoad((AdapterDemand("x", 8, rate),), 1, summary.prompt_len, summary.output_len, summary.length_rows)
+
+    # floor - 1 servers would each carry more than the rate that starves a single-adapter server
+    assert floor > 1 and oracle.starves(one_server(total / (floor - 1)))
+    assert floor <= plan(summary, PROFILE, TwinOracle(PROFILE, 60)).num_gpus
+    light = WorkloadSummary.from_trace(generate(workload(2.0, 10)))
+    assert server_floor(light, PROFILE, slo, 0.95, duration_s=60) == 1
 
 
 def test_more_load_needs_more_gpus():

@@ -16,6 +16,7 @@ from loraplex.cli import CommandError
 from loraplex.sim.metrics import Slo
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.planner.compare import baseline_json, check_plan, compare_baselines, slot_choices
+from loraplex.sim.planner.floor import server_floor
 from loraplex.sim.planner.greedy import PlanError, plan
 from loraplex.sim.planner.oracle import Oracle, TwinOracle
 from loraplex.sim.planner.surrogate import distill, train_surrogate, twin_dataset
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
                                   profile.engine_config(max_loras=slots))
         target = min(args.slo_target, verdict.slo_attainment)
         doc["slo_target"] = target
+        doc["server_floor"] = server_floor(summary, profile, slo, target, args.oracle_duration)
         doc["baselines"] = {b.policy: baseline_json(b) for b in compare_baselines(
             trace, profile, slo, target, choices, start=result.num_gpus, random_seeds=args.random_seeds,
             points=points)}
