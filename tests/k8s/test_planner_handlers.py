@@ -146,14 +146,24 @@ def test_observed_demand_is_replanned_and_scales_down_after_the_delay(
     assert pool["replicas"] == 1 and world.events.reasons("tiny")[-1] == "ScaleDown"
 
 
-def test_an_adapter_that_starves_a_server_alone_is_a_condition(world: World) -> None:
+def test_an_adapter_that_starves_a_server_alone_is_planned_on_several(world: World) -> None:
     _pool(world)
     _adapters(world, tps=40 * TOKENS, count=1)
     world.tick("tiny")
     pool = _tick_after_plan(world)
+    assert _condition(pool)[:2] == ("True", "Planned")
+    assert pool["requiredServers"] == _direct_plan(40 * TOKENS, count=1).num_gpus >= 2
+
+
+def test_an_adapter_that_no_share_of_a_server_can_hold_is_a_condition(world: World) -> None:
+    _pool(world)
+    _adapters(world, tps=5000 * TOKENS, count=1)  # 1/64 of it still starves a server
+    world.tick("tiny")
+    pool = _tick_after_plan(world)
     status, reason, message = _condition(pool)
     assert (status, reason) == ("False", "PlanFailed")
-    assert "starves a GPU on its own" in message and message.endswith("servers stay as they are")
+    assert "does not fit a GPU even with 1/64 of its requests" in message
+    assert message.endswith("servers stay as they are")
     assert "requiredServers" not in pool and pool["replicas"] == 1 and pool["phase"] != "Failed"
     _tick_after_plan(world)
     assert [(e.type, e.reason) for n, e in world.events.posted if n == "tiny"] == [("Warning", "PlanFailed")]

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from loraplex.cli import main
 from loraplex.sim.metrics import RequestResult, Slo
 from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadSummary, plan
-from loraplex.sim.planner.compare import check_plan
+from loraplex.sim.planner.compare import check_plan, split_by_gpu
 from loraplex.sim.planner.floor import server_floor
 from loraplex.sim.planner.greedy import priority_sort
 from loraplex.sim.planner.oracle import GpuLoad, attainment_by
 from loraplex.sim.profile import Memory, Profile
-from loraplex.sim.trace import write_trace
+from loraplex.sim.trace import Trace, write_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
 
 ENGINE = dict(max_model_len=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
@@ -108,10 +109,28 @@ def test_more_load_needs_more_gpus():
     assert light.num_gpus < heavy.num_gpus
 
 
-def test_an_adapter_that_overloads_a_gpu_alone_is_an_error():
-    summary = WorkloadSummary((AdapterDemand("hot", 8, 500.0), AdapterDemand("cold", 8, 0.1)), 96, 24)
-    with pytest.raises(PlanError, match="adapter hot .* starves a GPU on its own"):
-        plan(summary, PROFILE, TwinOracle(PROFILE, 20))
+def test_an_adapter_that_overloads_a_gpu_alone_is_split_over_gpus():
+    trace = generate(workload(10.0, 10))
+    hot = trace.requests[0].adapter
+    assert hot is not None
+    summary = WorkloadSummary(tuple(AdapterDemand(a.name, a.rank, 200.0 if a.name == hot else a.rate_rps)
+                                    for a in WorkloadSummary.from_trace(trace).adapters), 96, 24)
+    result = plan(summary, PROFILE, TwinOracle(PROFILE, 30))
+    shares = result.assignment[hot]
+    assert result.replicated == [hot] and len(shares) >= 2 and sum(shares.values()) == pytest.approx(1.0)
+    assert all(len(gpus) == 1 and sum(gpus.values()) == 1.0 for a, gpus in result.assignment.items() if a != hot)
+    # the requests of the hot adapter are dealt to its GPUs by their shares
+    requests = [replace(r, adapter=hot, rank=summary.adapters[0].rank) for r in trace.requests]
+    parts = split_by_gpu(result, Trace(requests, {}))
+    for gpu, share in shares.items():
+        assert len(parts[gpu]) == pytest.approx(share * len(requests), abs=1)
+    assert not check_plan(result, trace, PROFILE, Slo(ttft_s=2.0)).starved
+
+
+def test_an_adapter_that_fits_no_gpu_is_an_error():
+    huge = WorkloadSummary((AdapterDemand("huge", 10_000, 1.0), AdapterDemand("cold", 8, 0.1)), 96, 24)
+    with pytest.raises(PlanError, match="adapter huge .* does not fit a GPU even with 1/64 of its requests"):
+        plan(huge, PROFILE, TwinOracle(PROFILE, 20))
     with pytest.raises(PlanError, match="left over after 1 GPUs"):
         plan(WorkloadSummary.from_trace(generate(workload(200.0, 40))), PROFILE, TwinOracle(PROFILE, 60), max_gpus=1)
 

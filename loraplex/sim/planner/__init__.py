@@ -4,7 +4,7 @@ testing points packs adapters onto as few GPUs as those answers allow.
 
     from loraplex.sim.planner import WorkloadSummary, plan
     result = plan(WorkloadSummary.from_trace(trace), load_profile("cpu-tiny"))
-    result.num_gpus, result.assignment, result.a_max
+    result.num_gpus, result.assignment, result.a_max  # assignment: adapter -> {GPU: share of its requests}
 """
 
 from loraplex.sim.planner.greedy import Plan, PlanError, plan

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
                        "s_max": [max(ranks[a] for a in result.gpu_adapters(g)) for g in range(result.num_gpus)],
                        "starved_in_twin": verdict.starved,
                        "slo_attainment": verdict.slo_attainment, "plan_s": round(plan_s, 2),
-                       "adapters_per_gpu": [len(result.gpu_adapters(g)) for g in range(result.num_gpus)]}}
+                       "adapters_per_gpu": [len(result.gpu_adapters(g)) for g in range(result.num_gpus)],
+                       "replicated": result.replicated}}
     if args.compare:
         points = operating_points(profile, sorted(set(trace.adapters().values())), trace,
                                   profile.engine_config(max_loras=slots))

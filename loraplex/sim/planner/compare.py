@@ -24,7 +24,7 @@ from loraplex.sim.planner.greedy import Plan
 from loraplex.sim.planner.oracle import fits_memory
 from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
-from loraplex.sim.trace import Trace
+from loraplex.sim.trace import Trace, TraceRequest
 
 BASELINES = ("replicate-all", "random")
 SLOT_CHOICES = (8, 16, 32, 64, 128, 256, 512)
@@ -50,9 +50,8 @@ def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
     results: list[RequestResult] = []
     starved = False
     duration = trace_duration(trace)
-    for gpu in range(plan.num_gpus):
-        names = set(plan.gpu_adapters(gpu))
-        part = Trace([r for r in trace.requests if r.adapter in names], {"duration_s": duration})
+    for gpu, requests in enumerate(split_by_gpu(plan, trace)):
+        part = Trace(requests, {"duration_s": duration})
         if not part.requests:
             continue
         config = profile.engine_config(max_loras=plan.a_max[gpu], max_lora_rank=max(part.adapters().values()))
@@ -61,6 +60,27 @@ def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
         results += run.results
     attainment = summarize(results, duration, duration, slo).slo_attainment or 0.0
     return Verdict(plan.num_gpus, starved, attainment)
+
+
+def split_by_gpu(plan: Plan, trace: Trace) -> list[list[TraceRequest]]:
+    """Each GPU's requests: an adapter's requests go to its GPUs in arrival order by smooth weighted
+    round robin over its shares, so every GPU gets its share at every point of the trace."""
+    per_gpu: list[list[TraceRequest]] = [[] for _ in range(plan.num_gpus)]
+    credit: dict[str, dict[int, float]] = {}
+    for request in trace.requests:
+        shares = plan.assignment.get(request.adapter or "")
+        if shares is None:
+            continue  # a base-model request: the planner packs adapters
+        if len(shares) == 1:
+            per_gpu[next(iter(shares))].append(request)
+            continue
+        owed = credit.setdefault(request.adapter, dict.fromkeys(shares, 0.0))
+        for gpu, share in shares.items():
+            owed[gpu] += share
+        gpu = max(owed, key=lambda g: (owed[g], -g))
+        owed[gpu] -= 1.0
+        per_gpu[gpu].append(request)
+    return per_gpu
 
 
 def slot_choices(profile: Profile, max_rank: int) -> list[int]:

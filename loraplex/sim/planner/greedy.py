@@ -8,13 +8,16 @@ batch that starves the GPU is retried with half as many adapters, down to one; a
 not fit on its own is passed over (it heads the next GPU) and the adapters behind it are tried, up
 to `MAX_SKIPS` of them, before the GPU closes. The paper closes at the first failed point, which
 leaves up to half of a GPU's capacity unused when the batch that fails is large, and the zigzag
-order puts a cold adapter that would still fit right behind a hot one that does not.
+order puts a cold adapter that would still fit right behind a hot one that does not. An adapter that
+starves an empty GPU is split into two halves of its rate that must land on different GPUs (again,
+up to `MAX_SPLITS` times): the plan then gives it a share of its requests on each, as the routing
+table's φ does; the paper has no replicas and gives up.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loraplex.sim.planner.oracle import GpuLoad, Oracle, TwinOracle, fits_memory
 from loraplex.sim.planner.workload import AdapterDemand, WorkloadSummary
@@ -24,6 +27,8 @@ TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576
 # adapters that do not fit a GPU on their own, passed over before the GPU closes (each costs a few
 # oracle calls; the paper closes at the first)
 MAX_SKIPS = 4
+# an adapter that starves an empty GPU is split in halves, each half on its own GPU, at most this often
+MAX_SPLITS = 6
 
 
 class PlanError(RuntimeError):
@@ -32,7 +37,7 @@ class PlanError(RuntimeError):
 
 @dataclass(frozen=True)
 class Plan:
-    assignment: dict[str, int]  # adapter -> GPU index
+    assignment: dict[str, dict[int, float]]  # adapter -> {GPU index: share of its requests}
     a_max: list[int]  # adapter slots per GPU
     throughput: list[float]  # the oracle's throughput per GPU (tokens/s)
 
@@ -40,8 +45,13 @@ class Plan:
     def num_gpus(self) -> int:
         return len(self.a_max)
 
+    @property
+    def replicated(self) -> list[str]:
+        """Adapters split over more than one GPU."""
+        return sorted(a for a, gpus in self.assignment.items() if len(gpus) > 1)
+
     def gpu_adapters(self, gpu: int) -> list[str]:
-        return sorted(a for a, g in self.assignment.items() if g == gpu)
+        return sorted(a for a, gpus in self.assignment.items() if gpu in gpus)
 
 
 def priority_sort(adapters: tuple[AdapterDemand, ...]) -> list[AdapterDemand]:
@@ -62,23 +72,24 @@ def plan(workload: WorkloadSummary, profile: Profile, oracle: Oracle | None = No
     if max_slots is not None and max_slots < 1:
         raise ValueError(f"max_slots must be at least 1, got {max_slots}")
     oracle = oracle or TwinOracle(profile)
+    rates = {a.name: a.rate_rps for a in workload.adapters}
     queue = deque(priority_sort(workload.adapters))
-    assignment: dict[str, int] = {}
+    assignment: dict[str, dict[int, float]] = {}
     a_max: list[int] = []
     throughput: list[float] = []
     while queue:
         if max_gpus is not None and len(a_max) >= max_gpus:
             raise PlanError(f"{len(queue)} adapters left over after {max_gpus} GPUs")
-        committed, slots, tps = _fill_gpu(queue, workload, profile, oracle, max_slots)
-        for adapter in committed:
-            assignment[adapter.name] = len(a_max)
+        committed, slots, tps = _fill_gpu(queue, workload, profile, oracle, max_slots, rates)
+        for part in committed:
+            assignment.setdefault(part.name, {})[len(a_max)] = part.rate_rps / rates[part.name]
         a_max.append(slots)
         throughput.append(tps)
     return Plan(assignment, a_max, throughput)
 
 
 def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: Profile, oracle: Oracle,
-              max_slots: int | None) -> tuple[list[AdapterDemand], int, float]:
+              max_slots: int | None, rates: dict[str, float]) -> tuple[list[AdapterDemand], int, float]:
     committed: list[AdapterDemand] = []
     skipped: list[AdapterDemand] = []
     slots, tps = 0, 0.0
@@ -86,7 +97,9 @@ def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: P
         take = point - len(committed)
         while queue and len(committed) < point and len(skipped) < MAX_SKIPS:
             take = min(take, point - len(committed))
-            provisional = [queue.popleft() for _ in range(min(take, len(queue)))]
+            provisional = _pop_distinct(queue, take, {a.name for a in committed})
+            if not provisional:
+                break  # only other parts of adapters already on this GPU are left
             ok, new_slots, new_tps = _test(committed + provisional, slots, point, workload, profile, oracle,
                                            max_slots)
             if ok:
@@ -96,16 +109,39 @@ def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: P
             queue.extendleft(reversed(provisional))  # back to the front, order kept
             if take > 1:
                 take //= 2
-                continue
-            if not committed:
-                raise PlanError(f"adapter {queue[0].name} (rank {queue[0].rank}, {queue[0].rate_rps:.3g} req/s) "
-                                "starves a GPU on its own; it would need replicas, which this planner does not make")
-            skipped.append(queue.popleft())  # left for the next GPU; smaller ones behind it may still fit
-            take = point - len(committed)
+            elif committed:
+                skipped.append(queue.popleft())  # left for the next GPU; smaller ones behind it may still fit
+                take = point - len(committed)
+            else:
+                _split(queue, rates)
         if not queue or len(skipped) >= MAX_SKIPS:
             break
     queue.extendleft(reversed(skipped))
     return committed, slots, tps
+
+
+def _pop_distinct(queue: deque[AdapterDemand], count: int, on_gpu: set[str]) -> list[AdapterDemand]:
+    """Up to `count` adapters from the front of the queue, passing over parts of an adapter that is
+    already on this GPU (its parts must land on different GPUs); those keep their place."""
+    taken: list[AdapterDemand] = []
+    passed: list[AdapterDemand] = []
+    names = set(on_gpu)
+    while queue and len(taken) < count:
+        adapter = queue.popleft()
+        (passed if adapter.name in names else taken).append(adapter)
+        names.add(adapter.name)
+    queue.extendleft(reversed(passed))
+    return taken
+
+
+def _split(queue: deque[AdapterDemand], rates: dict[str, float]) -> None:
+    """The adapter at the front starves an empty GPU: replace it by two halves of its rate."""
+    adapter = queue.popleft()
+    if adapter.rate_rps < rates[adapter.name] / 2 ** (MAX_SPLITS - 1):
+        raise PlanError(f"adapter {adapter.name} (rank {adapter.rank}, {rates[adapter.name]:.3g} req/s) does not fit "
+                        f"a GPU even with 1/{2 ** MAX_SPLITS} of its requests (the GPU starves or runs out of memory)")
+    half = replace(adapter, rate_rps=adapter.rate_rps / 2)
+    queue.extendleft([half, half])
 
 
 def _test(adapters: list[AdapterDemand], slots: int, point: int, workload: WorkloadSummary, profile: Profile,
