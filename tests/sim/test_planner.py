@@ -70,6 +70,9 @@ def test_plan_command_compares(tmp_path, capsys):
     assert len(baselines["replicate-all"]["per_seed"]) == 1 and len(baselines["random"]["per_seed"]) == 2
     for b in baselines.values():  # each count is the fewest servers that reach the same SLO target
         assert b["gpus"] >= 1 and min(b["slo_attainment"]) >= doc["slo_target"]
+        for count, trials in zip(b["per_seed"], b["trials"], strict=True):  # the search's runs are on record
+            assert {(t["servers"], t["passed"]) for t in trials} >= {(count, True)}
+            assert all(not t["passed"] for t in trials if t["servers"] < count)
     assert 1 <= doc["server_floor"] <= min([doc["planner"]["gpus"]] + [b["gpus"] for b in baselines.values()])
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from loraplex.placement import OperatingPoints
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
@@ -37,6 +37,14 @@ class Verdict:
     slo_attainment: float
 
 
+@dataclass(frozen=True)
+class Trial:
+    servers: int
+    slots: int
+    passed: bool
+    slo_attainment: float
+
+
 @dataclass
 class Baseline:
     policy: str
@@ -44,6 +52,7 @@ class Baseline:
     per_seed: list[int]
     slo_attainment: list[float]  # at the chosen count, per seed
     slots: list[int]  # the adapter slots per server at the chosen count, per seed
+    trials: list[list[Trial]]  # every cluster twin run of the search, per seed
 
 
 def check_plan(plan: Plan, trace: Trace, profile: Profile, slo: Slo) -> Verdict:
@@ -93,61 +102,62 @@ def slot_choices(profile: Profile, max_rank: int) -> list[int]:
     return sorted(choices, key=lambda s: (abs(math.log(s / default)), s))
 
 
-def cluster_verdict(policy: str, servers: int, trace: Trace, profile: Profile, slo: Slo, target: float,
-                    max_loras: int, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
-    """`starved` is True when the cluster starves, any server starves, or attainment < target. The
-    servers' slots are sized for the trace's largest rank."""
-    overrides = {"max_loras": max_loras, "max_lora_rank": max(trace.adapters().values())}
-    config = ClusterConfig(servers, placement=policy, interval_s=1e9, seed=seed,
-                           engine_overrides=overrides, operating_points=points)
-    run = simulate_cluster(trace, profile, config, slo)
-    attainment = run.summary.slo_attainment or 0.0
-    failed = run.summary.starved or run.info["starved_servers"] > 0 or attainment < target
-    return Verdict(servers, failed, attainment)
+@dataclass
+class BaselineSearch:
+    """The server-count search of one baseline policy and seed; `trials` records every cluster twin
+    run it made, so a result file shows why one server fewer was not enough."""
 
+    policy: str
+    trace: Trace
+    profile: Profile
+    slo: Slo
+    target: float
+    seed: int = 0
+    points: OperatingPoints | None = None
+    trials: list[Trial] = field(default_factory=list)
 
-def min_servers(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, max_loras: int,
-                start: int = 1, limit: int = 256, seed: int = 0, points: OperatingPoints | None = None) -> Verdict:
-    """The fewest servers with which `policy` passes (`cluster_verdict`). The search starts at `start`
-    and walks down while it passes, or up until it does: it assumes more servers never hurt."""
-    verdict = _fewest(policy, trace, profile, slo, target, max_loras, start, limit, seed, points)
-    if verdict is None:
-        raise RuntimeError(f"{policy}: still starving or below the SLO with {limit} servers")
-    return verdict
+    def verdict(self, servers: int, slots: int) -> Verdict:
+        """`starved` is True when the cluster starves, any server starves, or attainment < target.
+        The servers' slots are sized for the trace's largest rank."""
+        overrides = {"max_loras": slots, "max_lora_rank": max(self.trace.adapters().values())}
+        config = ClusterConfig(servers, placement=self.policy, interval_s=1e9, seed=self.seed,
+                               engine_overrides=overrides, operating_points=self.points)
+        run = simulate_cluster(self.trace, self.profile, config, self.slo)
+        attainment = run.summary.slo_attainment or 0.0
+        failed = run.summary.starved or run.info["starved_servers"] > 0 or attainment < self.target
+        self.trials.append(Trial(servers, slots, not failed, attainment))
+        return Verdict(servers, failed, attainment)
 
-
-def _fewest(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, max_loras: int, start: int,
-            limit: int, seed: int, points: OperatingPoints | None) -> Verdict | None:
-    """`min_servers`, or None when even `limit` servers fail."""
-    def at(n: int) -> Verdict:
-        return cluster_verdict(policy, n, trace, profile, slo, target, max_loras, seed, points)
-
-    verdict = at(start)
-    if not verdict.starved:
-        while verdict.gpus > 1 and not (lower := at(verdict.gpus - 1)).starved:
-            verdict = lower
-        return verdict
-    for servers in range(start + 1, limit + 1):
-        verdict = at(servers)
+    def fewest(self, slots: int, start: int, limit: int = 256) -> Verdict | None:
+        """The fewest servers that pass with `slots`, or None when even `limit` fail. The search
+        starts at `start` and walks down while it passes, or up until it does: it assumes more
+        servers never hurt."""
+        verdict = self.verdict(start, slots)
         if not verdict.starved:
+            while verdict.gpus > 1 and not (lower := self.verdict(verdict.gpus - 1, slots)).starved:
+                verdict = lower
             return verdict
-    return None
+        for servers in range(start + 1, limit + 1):
+            verdict = self.verdict(servers, slots)
+            if not verdict.starved:
+                return verdict
+        return None
 
-
-def best_slots(policy: str, trace: Trace, profile: Profile, slo: Slo, target: float, choices: list[int],
-               start: int, seed: int = 0, points: OperatingPoints | None = None) -> tuple[Verdict, int]:
-    """The fewest servers over the slot counts in `choices`, and the slots that achieve it. After
-    the first count, a count is only asked whether it passes with one server fewer than the best so
-    far (and then walked down): a count that cannot beat the best costs a single twin run."""
-    best = min_servers(policy, trace, profile, slo, target, choices[0], start, seed=seed, points=points)
-    chosen = choices[0]
-    for slots in choices[1:]:
-        if best.gpus == 1:
-            break
-        fewer = _fewest(policy, trace, profile, slo, target, slots, best.gpus - 1, best.gpus - 1, seed, points)
-        if fewer is not None:
-            best, chosen = fewer, slots
-    return best, chosen
+    def best_slots(self, choices: list[int], start: int) -> tuple[Verdict, int]:
+        """The fewest servers over the slot counts in `choices`, and the slots that achieve it. After
+        the first count, a count is only asked whether it passes with one server fewer than the best
+        so far (and then walked down): a count that cannot beat the best costs a single twin run."""
+        best = self.fewest(choices[0], start)
+        if best is None:
+            raise RuntimeError(f"{self.policy}: still starving or below the SLO with 256 servers")
+        chosen = choices[0]
+        for slots in choices[1:]:
+            if best.gpus == 1:
+                break
+            fewer = self.fewest(slots, best.gpus - 1, best.gpus - 1)
+            if fewer is not None:
+                best, chosen = fewer, slots
+        return best, chosen
 
 
 def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, slots: list[int], start: int,
@@ -159,11 +169,12 @@ def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, s
     walk started elsewhere, e.g. at the previous seed's count, can stop at a worse answer."""
     out = []
     for policy in BASELINES:
-        seeds = range(random_seeds if policy == "random" else 1)
-        runs = [best_slots(policy, trace, profile, slo, target, slots, start, seed=s, points=points) for s in seeds]
+        searches = [BaselineSearch(policy, trace, profile, slo, target, seed, points)
+                    for seed in range(random_seeds if policy == "random" else 1)]
+        runs = [search.best_slots(slots, start) for search in searches]
         counts = [v.gpus for v, _ in runs]
         out.append(Baseline(policy, int(statistics.median_low(counts)), counts, [v.slo_attainment for v, _ in runs],
-                            [chosen for _, chosen in runs]))
+                            [chosen for _, chosen in runs], [search.trials for search in searches]))
     return out
 
 
