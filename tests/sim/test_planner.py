@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from loraplex.cli import main
@@ -13,7 +14,7 @@ from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadS
 from loraplex.sim.planner.compare import check_plan, split_by_gpu
 from loraplex.sim.planner.floor import server_floor
 from loraplex.sim.planner.greedy import priority_sort
-from loraplex.sim.planner.oracle import GpuLoad, attainment_by
+from loraplex.sim.planner.oracle import GpuLoad, attainment_by, gpu_trace
 from loraplex.sim.profile import Memory, Profile
 from loraplex.sim.trace import Trace, write_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
@@ -171,3 +172,19 @@ def test_slo_aware_plans_do_not_fail_on_long_replies():
     trace = generate(spec)
     oracle = TwinOracle(PROFILE, duration_s=60, slo=Slo(2.0), slo_target=0.95)
     assert plan(WorkloadSummary.from_trace(trace), PROFILE, oracle).num_gpus >= 1
+
+
+def test_bursty_arrivals_are_measured_and_make_a_gpu_fuller():
+    spec = workload(60.0, 40)
+    bursty_spec = spec.model_copy(update={"arrivals": spec.arrivals.model_copy(update={"process": "gamma", "cv": 3.0})})
+    smooth, bursty = (WorkloadSummary.from_trace(generate(s)) for s in (spec, bursty_spec))
+    assert smooth.arrival_cv == 1.0 and 2.5 <= bursty.arrival_cv <= 3.5
+    oracle = TwinOracle(PROFILE, 60, headroom=1.0, slo=Slo(ttft_s=0.5), slo_target=0.95)
+    share = bursty.adapters[::2]  # a GPU with half of the adapters
+    loads = [GpuLoad.of(s, share, 8) for s in (replace(bursty, arrival_cv=1.0), bursty)]
+    runs = [gpu_trace(g, 600, 0) for g in loads]
+    expected = sum(a.rate_rps for a in share) * 600
+    assert all(len(r.requests) == pytest.approx(expected, rel=0.15) for r in runs)  # the GPU's share of the rate
+    gaps = [np.diff([q.arrival_s for q in r.requests]) for r in runs]
+    assert gaps[1].std() / gaps[1].mean() > 1.3 * gaps[0].std() / gaps[0].mean()  # and of the bursts
+    assert oracle.starves(loads[1]) and not oracle.starves(loads[0])  # bursts miss the SLO where Poisson meets it

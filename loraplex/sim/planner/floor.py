@@ -27,7 +27,7 @@ def server_floor(summary: WorkloadSummary, profile: Profile, slo: Slo, slo_targe
 
     def starves(rate: float) -> bool:
         one = (AdapterDemand("floor", rank, rate),)
-        return oracle.starves(GpuLoad(one, 1, summary.prompt_len, summary.output_len, summary.length_rows))
+        return oracle.starves(GpuLoad.of(summary, one, 1))
 
     total = sum(a.rate_rps for a in summary.adapters)
     if not starves(total):

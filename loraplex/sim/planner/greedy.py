@@ -152,8 +152,7 @@ def _test(adapters: list[AdapterDemand], slots: int, point: int, workload: Workl
                   if fits_memory(profile, p, max(a.rank for a in adapters))]
     if not candidates:
         return False, slots, 0.0
-    loads = [GpuLoad(tuple(adapters), p, workload.prompt_len, workload.output_len, workload.length_rows)
-             for p in candidates]
+    loads = [GpuLoad.of(workload, tuple(adapters), p) for p in candidates]
     scored = [(oracle.throughput(g), g) for g in loads]
     tps, best = max(scored, key=lambda s: (s[0], -s[1].a_max))
     if oracle.starves(best):

@@ -1,7 +1,7 @@
 """The planner's two questions about one GPU: its throughput and whether it starves.
 
-`TwinOracle` answers by running the twin on a Poisson workload with the GPU's adapters; the
-trained surrogate (`surrogate.py`) answers the same questions from the paper's 7 features.
+`TwinOracle` answers by running the twin on the GPU's adapters at their rates, with the workload's
+arrival burstiness (Poisson, or the GPU's share of a Gamma process); the trained surrogate (`surrogate.py`) answers the same questions from the paper's 7 features.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from loraplex.sim.metrics import RequestResult, Slo
-from loraplex.sim.planner.workload import AdapterDemand
+from loraplex.sim.planner.workload import AdapterDemand, WorkloadSummary
 from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, requests_from
@@ -25,6 +25,14 @@ class GpuLoad:
     prompt_len: float
     output_len: float
     length_rows: tuple[tuple[int, int], ...] = field(default=(), compare=False, hash=False)
+    arrival_cv: float = 1.0  # of the whole workload's arrivals, of which the GPU gets its share
+    workload_rate_rps: float = 0.0  # the whole workload's rate (0: the GPU's own)
+
+    @classmethod
+    def of(cls, workload: WorkloadSummary, adapters: tuple[AdapterDemand, ...], a_max: int) -> GpuLoad:
+        """`adapters` on one GPU with `a_max` slots, under `workload`'s lengths and arrival process."""
+        return cls(adapters, a_max, workload.prompt_len, workload.output_len, workload.length_rows,
+                   workload.arrival_cv, workload.total_rate_rps)
 
     def features(self) -> list[float]:
         """The paper's 7 features: sum_rate, std_rate, max_size, mean_size, std_size, adapter_slots,
@@ -69,7 +77,7 @@ class TwinOracle:
         if not fits_memory(self.profile, gpu.a_max, s_max):
             return 0.0, True  # a memory error: the paper treats it like starvation
         if gpu not in self._cache:
-            trace = poisson_trace(gpu, self.duration_s, self.seed, self.headroom)
+            trace = gpu_trace(gpu, self.duration_s, self.seed, self.headroom)
             config = self.profile.engine_config(max_loras=gpu.a_max, max_lora_rank=s_max)
             # throughput over the arrival window, as the paper's twin measures it: a drain tail after
             # the last arrival is not starvation (on a slow GPU model, a few long requests at light
@@ -101,15 +109,13 @@ def fits_memory(profile: Profile, slots: int, max_rank: int) -> bool:
     return profile.memory.kv_tokens(slots, max_rank) >= int(profile.engine["max_model_len"])
 
 
-def poisson_trace(gpu: GpuLoad, duration_s: float, seed: int, rate_factor: float = 1.0) -> Trace:
-    """Each adapter's own Poisson stream at its rate (x rate_factor); lengths drawn from the
+def gpu_trace(gpu: GpuLoad, duration_s: float, seed: int, rate_factor: float = 1.0) -> Trace:
+    """The GPU's requests over `duration_s` at its adapters' rates (x rate_factor): with Poisson
+    arrivals, each adapter's own stream; otherwise the GPU's random share of a Gamma renewal process
+    at the whole workload's rate (the GPU sees its share of the bursts). Lengths drawn from the
     workload's rows, or the means when there are none."""
     rng = np.random.default_rng(seed)
-    rows = []
-    for a in gpu.adapters:
-        rate = a.rate_rps * rate_factor
-        times = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s * 1.5) + 10))
-        rows += [(float(t), a.name, a.rank) for t in times[times < duration_s]]
+    rows = (_own_streams if gpu.arrival_cv == 1.0 else _shared_bursts)(gpu, duration_s, rng, rate_factor)
     rows.sort()
     if gpu.length_rows:
         picks = rng.integers(0, len(gpu.length_rows), len(rows))
@@ -118,3 +124,26 @@ def poisson_trace(gpu: GpuLoad, duration_s: float, seed: int, rate_factor: float
         lengths = [(max(1, round(gpu.prompt_len)), max(1, round(gpu.output_len)))] * len(rows)
     return Trace(requests_from((t, name, rank, p, o) for (t, name, rank), (p, o) in zip(rows, lengths, strict=True)),
                  {"duration_s": duration_s})
+
+
+def _own_streams(gpu: GpuLoad, duration_s: float, rng: np.random.Generator,
+                 rate_factor: float) -> list[tuple[float, str, int]]:
+    rows = []
+    for a in gpu.adapters:
+        rate = a.rate_rps * rate_factor
+        times = np.cumsum(rng.exponential(1.0 / rate, int(rate * duration_s * 1.5) + 10))
+        rows += [(float(t), a.name, a.rank) for t in times[times < duration_s]]
+    return rows
+
+
+def _shared_bursts(gpu: GpuLoad, duration_s: float, rng: np.random.Generator,
+                   rate_factor: float) -> list[tuple[float, str, int]]:
+    rates = np.asarray([a.rate_rps for a in gpu.adapters])
+    total = max(gpu.workload_rate_rps, float(rates.sum())) * rate_factor
+    shape = 1.0 / gpu.arrival_cv ** 2
+    gaps = rng.gamma(shape, 1.0 / (shape * total), int(total * duration_s * 1.5) + 10)
+    times = np.cumsum(gaps)
+    times = times[times < duration_s]
+    times = times[rng.random(len(times)) < rates.sum() * rate_factor / total]
+    picks = rng.choice(len(rates), len(times), p=rates / rates.sum())
+    return [(float(t), gpu.adapters[i].name, gpu.adapters[i].rank) for t, i in zip(times, picks, strict=True)]
