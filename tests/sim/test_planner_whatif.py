@@ -85,3 +85,12 @@ def test_an_adapter_that_does_not_fit_is_passed_over_for_smaller_ones_behind_it(
     result = plan(summary, whatif_profile(), RateCapOracle(12.0))
     # closing a GPU at the first 8 that does not fit leaves each at 8 + 2 and needs a fourth GPU
     assert [sum(rates[int(a[1:])] for a in result.gpu_adapters(g)) for g in range(result.num_gpus)] == [12.0] * 3
+
+
+def test_the_last_gpus_adapters_move_to_earlier_gpus_when_all_of_them_fit():
+    rates = [5.0] * 5 + [1.0] * 5
+    summary = WorkloadSummary(tuple(AdapterDemand(f"a{i}", 8, r) for i, r in enumerate(rates)), 100, 20)
+    result = plan(summary, whatif_profile(), RateCapOracle(10.0))
+    # first fit leaves a fourth GPU with what remained; the first three can take it
+    assert result.num_gpus == 3 and sorted(result.assignment) == [f"a{i}" for i in range(10)]
+    assert all(sum(rates[int(a[1:])] for a in result.gpu_adapters(g)) <= 10.0 for g in range(3))

@@ -6,7 +6,8 @@ point, where the oracle is asked whether the GPU still does not starve and wheth
 gives more throughput; the batch is committed, or rolled back and the GPU closed. Our additions: a
 batch that starves the GPU is retried with half as many adapters, down to one; an adapter that does
 not fit on its own is passed over (it heads the next GPU) and the adapters behind it are tried, up
-to `MAX_SKIPS` of them, before the GPU closes. The paper closes at the first failed point, which
+to `MAX_SKIPS` of them, before the GPU closes; at the end, the last GPU's adapters are moved to
+earlier GPUs that still pass with them, when all of them can be. The paper closes at the first failed point, which
 leaves up to half of a GPU's capacity unused when the batch that fails is large, and the zigzag
 order puts a cold adapter that would still fit right behind a hot one that does not. An adapter that
 starves an empty GPU is split into two halves of its rate that must land on different GPUs (again,
@@ -74,22 +75,51 @@ def plan(workload: WorkloadSummary, profile: Profile, oracle: Oracle | None = No
     oracle = oracle or TwinOracle(profile)
     rates = {a.name: a.rate_rps for a in workload.adapters}
     queue = deque(priority_sort(workload.adapters))
-    assignment: dict[str, dict[int, float]] = {}
-    a_max: list[int] = []
-    throughput: list[float] = []
+    gpus: list[Gpu] = []
     while queue:
-        if max_gpus is not None and len(a_max) >= max_gpus:
+        if max_gpus is not None and len(gpus) >= max_gpus:
             raise PlanError(f"{len(queue)} adapters left over after {max_gpus} GPUs")
-        committed, slots, tps = _fill_gpu(queue, workload, profile, oracle, max_slots, rates)
-        for part in committed:
-            assignment.setdefault(part.name, {})[len(a_max)] = part.rate_rps / rates[part.name]
-        a_max.append(slots)
-        throughput.append(tps)
-    return Plan(assignment, a_max, throughput)
+        gpus.append(_fill_gpu(queue, workload, profile, oracle, max_slots, rates))
+    while len(gpus) > 1 and _empty_last(gpus, workload, profile, oracle, max_slots):
+        gpus.pop()
+    assignment: dict[str, dict[int, float]] = {}
+    for index, gpu in enumerate(gpus):
+        for part in gpu.adapters:
+            assignment.setdefault(part.name, {})[index] = part.rate_rps / rates[part.name]
+    return Plan(assignment, [g.slots for g in gpus], [g.throughput for g in gpus])
+
+
+@dataclass
+class Gpu:
+    adapters: list[AdapterDemand]
+    slots: int
+    throughput: float
+
+
+def _empty_last(gpus: list[Gpu], workload: WorkloadSummary, profile: Profile, oracle: Oracle,
+                max_slots: int | None) -> bool:
+    """Moves every adapter of the last GPU to an earlier one that still passes with it (first fit,
+    hottest first), or moves none: True when the last GPU is left empty. First-fit decreasing
+    leaves its last GPU with whatever remained, often a few adapters that earlier GPUs can take."""
+    earlier = [Gpu(list(g.adapters), g.slots, g.throughput) for g in gpus[:-1]]
+    for adapter in sorted(gpus[-1].adapters, key=lambda a: -a.rate_rps):
+        for gpu in earlier:
+            if any(a.name == adapter.name for a in gpu.adapters):
+                continue  # parts of one adapter stay on different GPUs
+            grown = gpu.adapters + [adapter]
+            point = next((p for p in TESTING_POINTS if p >= len(grown)), len(grown))
+            ok, slots, tps = _test(grown, gpu.slots, point, workload, profile, oracle, max_slots)
+            if ok:
+                gpu.adapters, gpu.slots, gpu.throughput = grown, slots, tps
+                break
+        else:
+            return False
+    gpus[:-1] = earlier
+    return True
 
 
 def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: Profile, oracle: Oracle,
-              max_slots: int | None, rates: dict[str, float]) -> tuple[list[AdapterDemand], int, float]:
+              max_slots: int | None, rates: dict[str, float]) -> Gpu:
     committed: list[AdapterDemand] = []
     skipped: list[AdapterDemand] = []
     slots, tps = 0, 0.0
@@ -117,7 +147,7 @@ def _fill_gpu(queue: deque[AdapterDemand], workload: WorkloadSummary, profile: P
         if not queue or len(skipped) >= MAX_SKIPS:
             break
     queue.extendleft(reversed(skipped))
-    return committed, slots, tps
+    return Gpu(committed, slots, tps)
 
 
 def _pop_distinct(queue: deque[AdapterDemand], count: int, on_gpu: set[str]) -> list[AdapterDemand]:
