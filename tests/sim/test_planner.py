@@ -124,7 +124,7 @@ def test_an_adapter_that_overloads_a_gpu_alone_is_split_over_gpus():
     assert result.replicated == [hot] and len(shares) >= 2 and sum(shares.values()) == pytest.approx(1.0)
     assert all(len(gpus) == 1 and sum(gpus.values()) == 1.0 for a, gpus in result.assignment.items() if a != hot)
     # the requests of the hot adapter are dealt to its GPUs by their shares
-    requests = [replace(r, adapter=hot, rank=summary.adapters[0].rank) for r in trace.requests]
+    requests = [replace(r, adapter=hot, rank=trace.adapters()[hot]) for r in trace.requests]
     parts = split_by_gpu(result, Trace(requests, {}))
     for gpu, share in shares.items():
         assert len(parts[gpu]) == pytest.approx(share * len(requests), abs=1)

@@ -75,9 +75,12 @@ def run(args: argparse.Namespace) -> int:
         target = min(args.slo_target, verdict.slo_attainment)
         doc["slo_target"] = target
         doc["server_floor"] = server_floor(summary, profile, slo, target, args.oracle_duration)
-        doc["baselines"] = {b.policy: baseline_json(b) for b in compare_baselines(
-            trace, profile, slo, target, choices, start=result.num_gpus, random_seeds=args.random_seeds,
-            points=points)}
+        try:
+            baselines = compare_baselines(trace, profile, slo, target, choices, start=result.num_gpus,
+                                          random_seeds=args.random_seeds, points=points)
+        except RuntimeError as exc:  # a baseline that no server count up to MAX_SERVERS serves
+            raise CommandError(str(exc)) from None
+        doc["baselines"] = {b.policy: baseline_json(b) for b in baselines}
     if not args.compare or args.assignment:
         doc["assignment"] = result.assignment
     text = json.dumps(doc, indent=2)

@@ -28,6 +28,7 @@ from loraplex.sim.trace import Trace, TraceRequest
 
 BASELINES = ("replicate-all", "random")
 SLOT_CHOICES = (8, 16, 32, 64, 128, 256, 512)
+MAX_SERVERS = 256  # a baseline search gives up beyond this many servers
 
 
 @dataclass
@@ -128,7 +129,7 @@ class BaselineSearch:
         self.trials.append(Trial(servers, slots, not failed, attainment))
         return Verdict(servers, failed, attainment)
 
-    def fewest(self, slots: int, start: int, limit: int = 256) -> Verdict | None:
+    def fewest(self, slots: int, start: int, limit: int = MAX_SERVERS) -> Verdict | None:
         """The fewest servers that pass with `slots`, or None when even `limit` fail. The search
         starts at `start` and walks down while it passes, or up until it does: it assumes more
         servers never hurt."""
@@ -149,7 +150,7 @@ class BaselineSearch:
         so far (and then walked down): a count that cannot beat the best costs a single twin run."""
         best = self.fewest(choices[0], start)
         if best is None:
-            raise RuntimeError(f"{self.policy}: still starving or below the SLO with 256 servers")
+            raise RuntimeError(f"{self.policy}: still starving or below the SLO with {MAX_SERVERS} servers")
         chosen = choices[0]
         for slots in choices[1:]:
             if best.gpus == 1:

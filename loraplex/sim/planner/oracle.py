@@ -1,7 +1,8 @@
 """The planner's two questions about one GPU: its throughput and whether it starves.
 
 `TwinOracle` answers by running the twin on the GPU's adapters at their rates, with the workload's
-arrival burstiness (Poisson, or the GPU's share of a Gamma process); the trained surrogate (`surrogate.py`) answers the same questions from the paper's 7 features.
+arrival burstiness (Poisson, or the GPU's share of a Gamma process); the trained surrogate
+(`surrogate.py`) answers the same questions from the paper's 7 features.
 """
 
 from __future__ import annotations
