@@ -69,12 +69,15 @@ def build_input(servers: Sequence[ServerRecord], adapters: Sequence[AdapterRecor
 
 class PlacementController:
     """`min_replicas`, when given, is called at each placement for {adapter: replicas.min} (the
-    operator's view of its LoRADeployments); adapters it leaves out need one server."""
+    operator's view of its LoRADeployments); adapters it leaves out need one server.
+    `server_filter`, when given, keeps the heartbeating servers that may serve (the operator keeps
+    those whose pod is Ready)."""
 
     def __init__(self, store: RoutingStore, policy: PlacementPolicy, clock: Clock, interval_s: float,
                  operating_points: OperatingPoints, windows: int = DEFAULT_WINDOWS,
                  forecaster: Forecaster = ewma, phi_tolerance: float = 1e-3,
-                 min_replicas: Callable[[], Mapping[str, int]] | None = None) -> None:
+                 min_replicas: Callable[[], Mapping[str, int]] | None = None,
+                 server_filter: Callable[[list[ServerRecord]], list[ServerRecord]] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"placement interval must be positive, got {interval_s}")
         self.store, self.policy, self.clock = store, policy, clock
@@ -84,6 +87,7 @@ class PlacementController:
         self.forecaster = forecaster
         self.phi_tolerance = phi_tolerance
         self.min_replicas = min_replicas
+        self.server_filter = server_filter
         self._last_version = 0        # numbering stays monotonic even if the store lost its tables
         self._last_run: float | None = None
         self._last_fingerprint: object = None
@@ -115,7 +119,10 @@ class PlacementController:
             stop.wait(poll_s)
 
     def _observe(self) -> _Observed:
-        return _Observed(self.store.healthy_servers(), self.store.adapters(), self.store.current_version())
+        servers = self.store.healthy_servers()
+        if self.server_filter is not None:
+            servers = self.server_filter(servers)
+        return _Observed(servers, self.store.adapters(), self.store.current_version())
 
     def _place(self, observed: _Observed) -> ControllerReport:
         now = self.clock.now()
@@ -123,12 +130,12 @@ class PlacementController:
         self._last_fingerprint = observed.fingerprint()
         if not observed.adapters:
             return ControllerReport("no-adapters", observed.version)
-        if not observed.servers:
-            return ControllerReport("no-servers", observed.version)  # keep routing to the last table
         previous = self.store.read_table()
         demand = self.store.demand_windows(now, self.windows)
         inp = build_input(observed.servers, observed.adapters, demand, self.operating_points, previous,
                           self.forecaster, self.min_replicas() if self.min_replicas else None)
+        if not observed.servers:  # keep routing to the last table; the estimate still sizes the pool
+            return ControllerReport("no-servers", observed.version, required_servers=inp.required_servers())
         placement = self.policy.place(inp)
         if placement.unplaceable:
             log.warning("no healthy server can hold adapters %s", ", ".join(placement.unplaceable))

@@ -3,16 +3,10 @@ Redis Cluster hash tag, so all keys of a pool live in one slot and one MULTI/EXE
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-_POOL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-
-
-def validate_pool_name(pool: str) -> str:
-    if not _POOL.match(pool):
-        raise ValueError(f"invalid pool name {pool!r}: use a DNS label (lowercase letters, digits, '-')")
-    return pool
+# The one rule for pool names (DNS-1035 label, at most 52 characters), shared with the CRD.
+from loraplex.spec.names import validate_pool_name
 
 
 @dataclass(frozen=True)
@@ -39,6 +33,12 @@ class PoolKeys:
         return f"{self.prefix}table:current"
 
     @property
+    def previous_version(self) -> str:
+        """STRING: the version that was current before `current`; its table is deleted at the next
+        publish, so at most two whole tables exist at once."""
+        return f"{self.prefix}table:previous"
+
+    @property
     def versions_channel(self) -> str:
         """PUB/SUB channel: each new current version is published as its decimal number."""
         return f"{self.prefix}table:announce"
@@ -59,9 +59,10 @@ class PoolKeys:
         """HASH: adapter name -> AdapterRecord JSON (without locations)."""
         return f"{self.prefix}adapters"
 
-    def locations(self, adapter: str) -> str:
-        """SET: ids of servers that hold the adapter in host memory."""
-        return f"{self.prefix}locations:{adapter}"
+    @property
+    def locations(self) -> str:
+        """HASH: adapter name -> JSON list of the ids of servers that hold it in host memory."""
+        return f"{self.prefix}locations"
 
     # demand
     def demand(self, bucket: int) -> str:

@@ -125,6 +125,15 @@ class InMemoryRoutingStore:
             holders.discard(server_id)
             return True
 
+    def clear(self) -> None:
+        with self._lock:
+            self._tables.clear()
+            self._current = None
+            self._servers.clear()
+            self._adapters.clear()
+            self._locations.clear()
+            self._demand.clear()
+
     # demand
     def add_demand(self, tokens: Mapping[str, int], now: float) -> None:
         bucket = bucket_of(now, self.window_s)

@@ -4,6 +4,7 @@ redis; policies never import it. Key layout: loraplex.routing.keys.PoolKeys (doc
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -19,9 +20,36 @@ from loraplex.routing.table import RoutingTable, RoutingTableError, decode_table
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETAIN_S = 300  # a superseded table stays readable this long (readers mid-swap, rollback)
+# A superseded table stays readable this long, for readers between the pointer and the table. Only
+# the last superseded one is kept: a burst of publishes must not keep a full copy per version.
+DEFAULT_RETAIN_S = 30
 DEMAND_WINDOWS_KEPT = 60  # demand buckets live long enough to be read as any of the last 60 windows
-_WATCH_RETRIES = 8
+_DELETE_BATCH = 500
+
+# Locations of every adapter live in one HASH (adapter -> JSON list of server ids), so the whole
+# registry is read with two commands. Adding and removing a holder are atomic read-modify-writes.
+_ADD_LOCATION = """
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+local ids = held and cjson.decode(held) or {}
+for _, id in ipairs(ids) do if id == ARGV[2] then return 0 end end
+table.insert(ids, ARGV[2])
+table.sort(ids)
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(ids))
+return 1
+"""
+# Returns 0 (and changes nothing) when the server is the adapter's last holder.
+_REMOVE_LOCATION = """
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if not held then return 1 end
+local keep, found = {}, false
+for _, id in ipairs(cjson.decode(held)) do
+  if id == ARGV[2] then found = true else table.insert(keep, id) end
+end
+if not found then return 1 end
+if #keep == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(keep))
+return 1
+"""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +62,10 @@ def _unavailable_on_redis_error(method: F) -> F:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailableError(f"redis unavailable: {exc}") from exc
     return wrapper  # type: ignore[return-value]
+
+
+def _holders(held: str | None) -> frozenset[str]:
+    return frozenset(json.loads(held)) if held else frozenset()
 
 
 class _PubSubSubscription:
@@ -57,6 +89,9 @@ class RedisRoutingStore:
         self.window_s = window_s
         self._retain_s = retain_s
         self._client = client
+        self._add_location = client.register_script(_ADD_LOCATION)
+        self._remove_location = client.register_script(_REMOVE_LOCATION)
+        self._cached: RoutingTable | None = None  # the last table read; tables never change once written
 
     @classmethod
     def from_url(cls, url: str, pool: str, window_s: float = DEFAULT_WINDOW_S,
@@ -77,8 +112,9 @@ class RedisRoutingStore:
             try:
                 # WATCH makes the version check and the swap one step: a concurrent publisher makes
                 # EXEC fail instead of moving `current` backwards.
-                pipe.watch(current_key)
+                pipe.watch(current_key, self.keys.previous_version)
                 current = pipe.get(current_key)
+                previous = pipe.get(self.keys.previous_version)
                 if current is not None and int(current) >= table.version:
                     raise StaleVersionError(f"version {table.version} is not newer than current {current}")
                 pipe.multi()
@@ -86,6 +122,9 @@ class RedisRoutingStore:
                 pipe.set(current_key, table.version)
                 if current is not None:
                     pipe.expire(self.keys.table(int(current)), self._retain_s)
+                    pipe.set(self.keys.previous_version, current)
+                if previous is not None:
+                    pipe.delete(self.keys.table(int(previous)))
                 pipe.publish(self.keys.versions_channel, table.version)
                 pipe.execute()
             except redis.WatchError as exc:
@@ -100,14 +139,19 @@ class RedisRoutingStore:
     def read_table(self, version: int | None = None) -> RoutingTable | None:
         if version is not None:
             return self._decode(self._client.get(self.keys.table(version)))
-        # Tables are immutable once written, so pointer-then-table is consistent; the one race is a
-        # table that expired between the two reads, which a second look at the pointer resolves.
+        # Tables are immutable once written, so pointer-then-table is consistent (and the last one
+        # read is reused while it stays current); the one race is a table that expired between the
+        # two reads, which a second look at the pointer resolves.
         for _ in range(2):
             current = self.current_version()
             if current is None:
                 return None
+            cached = self._cached
+            if cached is not None and cached.version == current:
+                return cached
             table = self._decode(self._client.get(self.keys.table(current)))
             if table is not None:
+                self._cached = table
                 return table
         return None
 
@@ -185,55 +229,51 @@ class RedisRoutingStore:
     def remove_adapter(self, name: str) -> None:
         with self._client.pipeline(transaction=True) as pipe:
             pipe.hdel(self.keys.adapters, name)
-            pipe.delete(self.keys.locations(name))
+            pipe.hdel(self.keys.locations, name)
             pipe.execute()
 
     @_unavailable_on_redis_error
     def get_adapter(self, name: str) -> AdapterRecord | None:
         with self._client.pipeline(transaction=False) as pipe:
             pipe.hget(self.keys.adapters, name)
-            pipe.smembers(self.keys.locations(name))
-            payload, locations = pipe.execute()
-        return AdapterRecord.from_json(payload, frozenset(locations)) if payload is not None else None
+            pipe.hget(self.keys.locations, name)
+            payload, held = pipe.execute()
+        return AdapterRecord.from_json(payload, _holders(held)) if payload is not None else None
 
     @_unavailable_on_redis_error
     def adapters(self) -> list[AdapterRecord]:
-        records = self._client.hgetall(self.keys.adapters)
-        names = sorted(records)
         with self._client.pipeline(transaction=False) as pipe:
-            for name in names:
-                pipe.smembers(self.keys.locations(name))
-            locations = pipe.execute()
+            pipe.hgetall(self.keys.adapters)
+            pipe.hgetall(self.keys.locations)
+            records, locations = pipe.execute()
         result = []
-        for name, held in zip(names, locations, strict=True):
+        for name in sorted(records):
             try:
-                result.append(AdapterRecord.from_json(records[name], frozenset(held)))
+                result.append(AdapterRecord.from_json(records[name], _holders(locations.get(name))))
             except RecordError:
                 log.exception("ignoring a malformed adapter record %r in pool %s", name, self.pool)
         return result
 
     @_unavailable_on_redis_error
     def add_location(self, adapter: str, server_id: str) -> None:
-        self._client.sadd(self.keys.locations(adapter), validate_server_id(server_id))
+        self._add_location(keys=[self.keys.locations], args=[adapter, validate_server_id(server_id)])
 
     @_unavailable_on_redis_error
     def remove_location(self, adapter: str, server_id: str) -> bool:
-        key = self.keys.locations(adapter)
-        for _ in range(_WATCH_RETRIES):
-            with self._client.pipeline() as pipe:
-                pipe.watch(key)  # the count check and the SREM must see the same set
-                if not pipe.sismember(key, server_id):
-                    return True
-                if pipe.scard(key) <= 1:
-                    return False
-                pipe.multi()
-                pipe.srem(key, server_id)
-                try:
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue  # another holder changed the set; look again
-        raise StoreUnavailableError(f"locations of {adapter!r} kept changing; gave up after {_WATCH_RETRIES} tries")
+        return bool(self._remove_location(keys=[self.keys.locations], args=[adapter, server_id]))
+
+    @_unavailable_on_redis_error
+    def clear(self) -> None:
+        batch: list[str] = []
+        pattern = f"{self.keys.prefix}*"  # the pool name is a DNS label: no glob characters
+        for key in self._client.scan_iter(match=pattern, count=_DELETE_BATCH):
+            batch.append(key)
+            if len(batch) >= _DELETE_BATCH:
+                self._client.unlink(*batch)
+                batch.clear()
+        if batch:
+            self._client.unlink(*batch)
+        self._cached = None
 
     # demand
     @_unavailable_on_redis_error

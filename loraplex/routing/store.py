@@ -76,6 +76,9 @@ class RoutingStore(Protocol):
         """Forgets that `server_id` holds `adapter`, unless it is the adapter's last known location:
         returns False (and changes nothing) in that case, so the last copy is never deleted."""
 
+    def clear(self) -> None:
+        """Removes everything of the pool (its AdapterPool was deleted)."""
+
     # demand
     def add_demand(self, tokens: Mapping[str, int], now: float) -> None:
         """Adds token counts per adapter to the window containing `now` (wall-clock seconds)."""

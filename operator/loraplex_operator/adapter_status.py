@@ -39,8 +39,14 @@ class AdapterView:
     unplaceable: bool = False  # the placement found no healthy server whose max rank holds it
 
 
-# The Failed reason the pool's placement sets and clears (every other Failed waits for a spec change).
+# The Failed reason the pool's placement sets and clears.
 UNPLACEABLE = "RankExceedsServers"
+# The Failed reason that follows the pool's engine.maxLoraRank: cleared when the pool is raised again.
+RANK_TOO_LARGE = "RankTooLarge"
+# Reasons the pool's tick keeps up to date once the adapter's handler registered its generation. Every
+# other reason is the handler's (it retries, or the spec must change), and the tick leaves it alone,
+# so a status never alternates between the two writers.
+TICK_REASONS = frozenset({"NotRegistered", "NoServers", "AwaitingPlacement", "Fetching", "Serving", UNPLACEABLE})
 
 
 def beyond_every_server(rank: int, servers: Sequence[ServerRecord]) -> bool:
@@ -87,37 +93,46 @@ def adapter_status(view: AdapterView, previous: LoRADeploymentStatus | None, now
                       weights_text(placement), now, gen),
         set_condition(old, "Ready", phase == "Ready", reason, message, now, gen),
     ]
-    demand = None
+    demand = previous.observed_demand if previous else None
     if view.demand_tps is not None:
-        demand = ObservedDemand(tokens_per_second=round(view.demand_tps, 3), window_seconds=view.demand_window_s)
+        demand = ObservedDemand(tokens_per_second=_significant(view.demand_tps), window_seconds=view.demand_window_s)
     status = LoRADeploymentStatus(
         phase=phase, reason=reason, message=message,
         rank=view.record.rank if view.record else None, digest=view.record.digest if view.record else None,
         placement=placement, weights=weights_text(placement),
         ready_servers=len([s for s in assigned if s in holders]), observed_demand=demand,
-        routing_version=view.table.version if view.table else None, observed_generation=gen,
-        conditions=conditions)
+        observed_generation=gen, conditions=conditions)
     return status, transition_events(previous, status)
 
 
+def _significant(tps: float) -> float:
+    """Three significant digits: the demand moves every window, its status need not."""
+    return float(f"{tps:.3g}")
+
+
 def transition_events(previous: LoRADeploymentStatus | None, status: LoRADeploymentStatus) -> list[Event]:
-    """One event per change of phase or reason, and one per change of the placement."""
-    events = []
+    """One event per change of phase or reason (with the weights when it is placed), else one per
+    change of the placement."""
     if previous is None or (previous.phase, previous.reason) != (status.phase, status.reason):
         kind = "Warning" if status.phase == "Failed" else "Normal"
-        events.append(Event(kind, status.reason or status.phase, f"{status.phase}: {status.message}"))
-    if status.placement and (previous is None or previous.weights != status.weights):
-        events.append(Event("Normal", "Placed", f"routing version {status.routing_version}: {status.weights}"))
-    return events
+        placed = f" ({status.weights})" if status.weights and status.phase != "Loading" else ""
+        return [Event(kind, status.reason or status.phase, f"{status.phase}: {status.message}{placed}")]
+    if status.placement and previous.weights != status.weights:
+        return [Event("Normal", "Placed", f"traffic: {status.weights}")]
+    return []
 
 
 def blocked_status(phase: str, reason: str, message: str, generation: int | None,
-                   previous: LoRADeploymentStatus | None, now: float) -> tuple[LoRADeploymentStatus, list[Event]]:
+                   previous: LoRADeploymentStatus | None, now: float, rank: int | None = None,
+                   digest: str | None = None) -> tuple[LoRADeploymentStatus, list[Event]]:
     """The status when registration cannot go on: Failed (the spec cannot be served; it stays so
-    until the spec changes) or Pending (a retry may succeed: store down, source unreachable)."""
+    until the spec changes, or the pool's max rank for RankTooLarge) or Pending (a retry may
+    succeed: store down, source unreachable). `rank`/`digest`: what is known of the adapter."""
     old = previous.conditions if previous else []
     conditions = [set_condition(old, "Registered", False, reason, message, now, generation),
+                  set_condition(old, "Placed", False, reason, "", now, generation),
                   set_condition(old, "Ready", False, reason, message, now, generation)]
-    status = LoRADeploymentStatus(phase=phase, reason=reason, message=message, observed_generation=generation,
-                                  conditions=conditions)
+    status = LoRADeploymentStatus(phase=phase, reason=reason, message=message, rank=rank, digest=digest,
+                                  observed_demand=previous.observed_demand if previous else None,
+                                  observed_generation=generation, conditions=conditions)
     return status, transition_events(previous, status)

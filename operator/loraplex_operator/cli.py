@@ -16,6 +16,10 @@ def register(registry: CommandRegistry) -> None:
                  _run_operator)
     registry.add("crds generate", "Write the CustomResourceDefinitions generated from loraplex.spec.crd",
                  _crds_args, _run_crds)
+    from loraplex_operator import bench_scale  # stdlib-only at import; kubernetes and redis load in run
+
+    registry.add("bench operator-scale", "the operator at scale on a real API server (heartbeating test agents)",
+                 bench_scale.configure, bench_scale.run)
 
 
 def _operator_args(p: argparse.ArgumentParser) -> None:
@@ -26,7 +30,8 @@ def _operator_args(p: argparse.ArgumentParser) -> None:
                    "(default: $LORAPLEX_PEERING or 'loraplex')")
     p.add_argument("--priority", type=int, default=None, help="peering priority; default: random")
     p.add_argument("--standalone", action="store_true", help="no peering (a single replica only)")
-    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    p.add_argument("--liveness", default="http://127.0.0.1:8080/healthz",
+                   help="liveness endpoint URL (the Helm chart binds 0.0.0.0 in the pod)")
     p.add_argument("--log-level", default="info")
 
 

@@ -8,7 +8,7 @@ import random
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from loraplex.engine.clock import Clock
 from loraplex.placement.controller import ControllerReport, PlacementController
@@ -21,6 +21,7 @@ from loraplex_operator.inspect_source import AdapterFacts
 from loraplex_operator.kube import EventSink, KubeApi
 from loraplex_operator.planner_runner import PlannerRunner
 from loraplex_operator.pool_policy import PoolPolicy
+from loraplex_operator.pool_routes import ControllerKey, PoolRoutes
 from loraplex_operator.replica_bounds import ReplicaBounds
 
 
@@ -41,9 +42,12 @@ class Deps:
     # The `random` policy's source, seeded per pool so a restarted operator places the same way.
     make_random: Callable[[str], random.Random] = field(default=lambda pool: random.Random(pool))
     planner: PlannerRunner = field(default_factory=PlannerRunner)  # pools sized by the planner
+    # The last status this operator wrote per object uid: an unchanged status is not written again.
+    written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Pools whose objects the API server refused at the last apply: (reason, message) for their status.
+    apply_failures: dict[str, tuple[str, str]] = field(default_factory=dict)
     _stores: dict[str, RoutingStore] = field(default_factory=dict)
-    _controllers: dict[str, tuple[tuple[str, bool, float], PlacementController]] = field(default_factory=dict)
-    _bounds: dict[str, ReplicaBounds] = field(default_factory=dict)  # per pool, as its last tick saw them
+    _routes: dict[str, PoolRoutes] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def store(self, pool: str) -> RoutingStore:
@@ -52,32 +56,40 @@ class Deps:
                 self._stores[pool] = self.store_factory(pool)
             return self._stores[pool]
 
+    def routes(self, pool: str) -> PoolRoutes:
+        store = self.store(pool)
+        with self._lock:
+            if pool not in self._routes:
+                self._routes[pool] = PoolRoutes(store, self.clock)
+            return self._routes[pool]
+
     def place(self, pool: str, spec: AdapterPoolSpec, bounds: ReplicaBounds) -> ControllerReport:
         """Runs the pool's placement once with its LoRADeployments' replica bounds: one publish."""
-        with self._lock:
-            self._bounds[pool] = bounds
-        return self.controller(pool, spec).run_once()
-
-    def _pool_bounds(self, pool: str) -> ReplicaBounds:
-        with self._lock:
-            return self._bounds.get(pool, ReplicaBounds())
+        routes = self.routes(pool)
+        routes.bounds = bounds
+        return routes.place(_controller_key(spec), lambda: self._build_controller(routes, spec))
 
     def controller(self, pool: str, spec: AdapterPoolSpec) -> PlacementController:
-        """One controller per pool (it remembers the versions it published); rebuilt when the
-        policy, its hysteresis or the kind of server changes."""
-        key = (spec.placement.policy, spec.servers.gpus_per_server > 0, spec.placement.hysteresis)
+        routes = self.routes(pool)
+        return routes.controller(_controller_key(spec), lambda: self._build_controller(routes, spec))
+
+    def _build_controller(self, routes: PoolRoutes, spec: AdapterPoolSpec) -> PlacementController:
+        policy = make_policy(spec.placement.policy, self.make_random(routes.store.pool),
+                             hysteresis=spec.placement.hysteresis)
+        pool_policy = PoolPolicy(policy, lambda: routes.bounds.maximum)
+        points = default_operating_points("gpu" if spec.servers.gpus_per_server > 0 else "cpu")
+        return PlacementController(routes.store, pool_policy, self.clock, spec.placement.interval_seconds, points,
+                                   min_replicas=lambda: routes.bounds.minimum, server_filter=routes.serving)
+
+    def forget(self, pool: str) -> None:
+        """Drops what this operator keeps for a deleted pool."""
+        self.planner.forget(pool)
         with self._lock:
-            cached = self._controllers.get(pool)
-            if cached is not None and cached[0] == key:
-                return cached[1]
-        policy = make_policy(spec.placement.policy, self.make_random(pool), hysteresis=spec.placement.hysteresis)
-        pool_policy = PoolPolicy(policy, lambda: self._pool_bounds(pool).maximum)
-        points = default_operating_points("gpu" if key[1] else "cpu")
-        controller = PlacementController(self.store(pool), pool_policy, self.clock, spec.placement.interval_seconds,
-                                         points, min_replicas=lambda: self._pool_bounds(pool).minimum)
-        with self._lock:
-            self._controllers[pool] = (key, controller)
-        return controller
+            self._routes.pop(pool, None)
+            store = self._stores.pop(pool, None)
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
 
     def close(self) -> None:
         self.planner.close()
@@ -87,5 +99,8 @@ class Deps:
                 if close is not None:
                     close()
             self._stores.clear()
-            self._controllers.clear()
-            self._bounds.clear()
+            self._routes.clear()
+
+
+def _controller_key(spec: AdapterPoolSpec) -> ControllerKey:
+    return spec.placement.policy, spec.servers.gpus_per_server > 0, spec.placement.hysteresis

@@ -25,8 +25,15 @@ from loraplex_operator.adapter_reconcile import RetryLater, register_adapter, un
 from loraplex_operator.adapter_status import Event
 from loraplex_operator.deps import Deps
 from loraplex_operator.kube import ObjectRef
-from loraplex_operator.names import selector_string
-from loraplex_operator.pool_reconcile import DeploymentInfo, apply_pool, pool_tick
+from loraplex_operator.names import POOL_LABEL, selector_string
+from loraplex_operator.pool_reconcile import (
+    APPLY_FAILED,
+    DeploymentInfo,
+    InvalidPool,
+    apply_pool,
+    forget_pool,
+    pool_tick,
+)
 
 POOLS = (GROUP, VERSION, "adapterpools")
 ADAPTERS = (GROUP, VERSION, "loradeployments")
@@ -54,16 +61,51 @@ def _post(deps: Deps, ref: ObjectRef, events: list[Event]) -> None:
         deps.events.post(ref, event)
 
 
+def _pool_ref(meta: kopf.Meta, name: str, namespace: str) -> ObjectRef:
+    return ObjectRef(API_VERSION, "AdapterPool", namespace, name, meta.get("uid", ""))
+
+
+@kopf.index(*POOLS)
+def pools_by_name(spec: kopf.Spec, name: str, namespace: str, **_: Any) -> dict[tuple[str, str], AdapterPoolSpec | None]:
+    return {(namespace, name): _parse(AdapterPoolSpec, spec)}
+
+
+@kopf.index("pods", labels={POOL_LABEL: kopf.PRESENT})
+def ready_pods_by_pool(labels: kopf.Labels, status: kopf.Status, name: str, namespace: str,
+                       **_: Any) -> dict[tuple[str, str], str] | None:
+    """The pods whose Ready condition is True, by pool: a server serves only with a Ready pod."""
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return {(namespace, labels[POOL_LABEL]): name} if ready else None
+
+
+def _ready_pods(index: kopf.Index, namespace: str, pool: str) -> frozenset[str]:
+    return frozenset(index.get((namespace, pool), []))
+
+
 @kopf.on.resume(*POOLS)
 @kopf.on.create(*POOLS)
 @kopf.on.update(*POOLS, field="spec")
-def pool_changed(spec: kopf.Spec, meta: kopf.Meta, name: str, namespace: str, patch: kopf.Patch,
-                 memo: kopf.Memo, **_: Any) -> None:
+def pool_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
+                 patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     deps: Deps = memo.deps
-    ref = ObjectRef(API_VERSION, "AdapterPool", namespace, name, meta.get("uid", ""))
-    replicas = apply_pool(ref, _spec(AdapterPoolSpec, spec), deps)
-    patch.status["replicas"] = replicas
-    patch.status["selector"] = selector_string(name)
+    try:
+        replicas = apply_pool(_pool_ref(meta, name, namespace), _spec(AdapterPoolSpec, spec), deps)
+    except InvalidPool as exc:  # the pool's timer writes the Failed status and its event
+        if exc.reason == APPLY_FAILED:
+            raise kopf.TemporaryError(exc.message, delay=60) from exc
+        return
+    if status.get("replicas") != replicas or status.get("selector") != selector_string(name):
+        patch.status["replicas"] = replicas
+        patch.status["selector"] = selector_string(name)
+
+
+@kopf.on.delete(*POOLS, retries=6)
+def pool_deleted(name: str, namespace: str, memo: kopf.Memo, adapters_by_pool: kopf.Index, **_: Any) -> None:
+    """The finalizer: the pool's routing state leaves Redis; its adapters say PoolNotFound."""
+    try:
+        forget_pool(name, namespace, list(adapters_by_pool.get((namespace, name), [])), memo.deps)
+    except StoreUnavailableError as exc:
+        raise kopf.TemporaryError(f"cannot clear pool {name!r} from the routing store yet: {exc}", delay=10) from exc
 
 
 @kopf.index(*ADAPTERS)
@@ -79,43 +121,79 @@ def adapters_by_pool(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name
 
 @kopf.timer(*POOLS, interval=TICK_SECONDS, initial_delay=1.0)
 def pool_timer(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
-               patch: kopf.Patch, memo: kopf.Memo, adapters_by_pool: kopf.Index, **_: Any) -> None:
+               patch: kopf.Patch, memo: kopf.Memo, adapters_by_pool: kopf.Index, ready_pods_by_pool: kopf.Index,
+               **_: Any) -> None:
     deps: Deps = memo.deps
-    ref = ObjectRef(API_VERSION, "AdapterPool", namespace, name, meta.get("uid", ""))
+    ref = _pool_ref(meta, name, namespace)
     deployments = list(adapters_by_pool.get((namespace, name), []))
-    result = pool_tick(ref, meta.get("generation"), _spec(AdapterPoolSpec, spec),
-                       _parse(AdapterPoolStatus, status), deployments, deps)
-    patch.status.update(result.status.to_patch())
+    previous = _parse(AdapterPoolStatus, status)
+    result = pool_tick(ref, meta.get("generation"), _spec(AdapterPoolSpec, spec), previous, deployments,
+                       _ready_pods(ready_pods_by_pool, namespace, name), deps)
+    if previous is None or result.status.to_k8s() != previous.to_k8s():
+        patch.status.update(result.status.to_patch())
     if result.replicas is not None:
         patch.spec["servers"] = {"replicas": result.replicas}
     _post(deps, ref, result.events)
+
+
+def _pool_spec(index: kopf.Index, namespace: str, pool: str, deps: Deps) -> AdapterPoolSpec | None:
+    """The pool's spec from the index; from the API when the index has not seen the pool yet (a pool
+    and its adapters applied together)."""
+    for parsed in index.get((namespace, pool), []):
+        return parsed
+    obj = deps.kube.get(API_VERSION, "AdapterPool", namespace, pool)
+    return _parse(AdapterPoolSpec, obj.get("spec")) if obj is not None else None
 
 
 @kopf.on.resume(*ADAPTERS)
 @kopf.on.create(*ADAPTERS)
 @kopf.on.update(*ADAPTERS, field="spec")
 def adapter_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
-                    patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+                    patch: kopf.Patch, memo: kopf.Memo, pools_by_name: kopf.Index, ready_pods_by_pool: kopf.Index,
+                    **_: Any) -> None:
     deps: Deps = memo.deps
     ref = ObjectRef(API_VERSION, "LoRADeployment", namespace, name, meta.get("uid", ""))
     previous = _parse(LoRADeploymentStatus, status)
+    parsed = _spec(LoRADeploymentSpec, spec)
+    deps.routes(parsed.pool).ready_pods = _ready_pods(ready_pods_by_pool, namespace, parsed.pool)
     try:
-        outcome = register_adapter(ref, meta.get("generation"), _spec(LoRADeploymentSpec, spec), previous, deps)
+        outcome = register_adapter(ref, meta.get("generation"), parsed, previous,
+                                   _pool_spec(pools_by_name, namespace, parsed.pool, deps), deps)
     except RetryLater as retry:
-        patch.status.update(retry.outcome[0].to_patch())
-        _post(deps, ref, retry.outcome[1])
+        _write(deps, ref, patch, previous, retry.outcome)
         raise kopf.TemporaryError(retry.outcome[0].message, delay=retry.delay) from retry
-    patch.status.update(outcome[0].to_patch())
-    _post(deps, ref, outcome[1])
+    _write(deps, ref, patch, previous, outcome)
+
+
+def _write(deps: Deps, ref: ObjectRef, patch: kopf.Patch, previous: LoRADeploymentStatus | None,
+           outcome: tuple[LoRADeploymentStatus, list[Event]]) -> None:
+    """The handler's status goes out with kopf's own patch, only when it changed."""
+    status, events = outcome
+    new = status.to_k8s()
+    if previous is not None and previous.to_k8s() == new:
+        return
+    patch.status.update(status.to_patch())
+    deps.written[ref.uid] = new
+    _post(deps, ref, events)
 
 
 @kopf.on.delete(*ADAPTERS)
-def adapter_deleted(spec: kopf.Spec, name: str, memo: kopf.Memo, **_: Any) -> None:
+def adapter_deleted(spec: kopf.Spec, meta: kopf.Meta, name: str, memo: kopf.Memo, **_: Any) -> None:
     """The finalizer: the adapter leaves the registry and the routing table before the object goes."""
+    deps: Deps = memo.deps
     try:
-        unregister_adapter(name, str(spec.get("pool", "")), memo.deps)
+        unregister_adapter(name, str(spec.get("pool", "")), deps)
     except (StoreUnavailableError, StaleVersionError) as exc:
         raise kopf.TemporaryError(f"cannot remove {name!r} from the routing store yet: {exc}", delay=10) from exc
+    deps.written.pop(meta.get("uid", ""), None)
+
+
+class _QuietTimers(logging.Filter):
+    """Drops kopf's "Timer 'pool_timer' succeeded." (every tick of every pool); failures still show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno <= logging.INFO and record.getMessage().startswith("Timer ")
+                    and record.getMessage().endswith(" succeeded."))
 
 
 @kopf.on.startup()
@@ -125,6 +203,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.WARNING  # our own events tell the story; kopf adds only problems
     settings.watching.server_timeout = 300
+    logging.getLogger("kopf.objects").addFilter(_QuietTimers())
 
 
 @kopf.on.cleanup()

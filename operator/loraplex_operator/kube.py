@@ -6,6 +6,9 @@ a no-op and fields that others own (e.g. an HPA's replicas) are not fought over.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,7 +32,17 @@ class ObjectRef:
         return {"apiVersion": self.api_version, "kind": self.kind, "metadata": meta}
 
 
+class KubeError(RuntimeError):
+    """The API server refused a request (`status`: its HTTP status; `message`: what it said)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status, self.message = status, message
+
+
 class KubeApi(Protocol):
+    """Every method may raise KubeError."""
+
     def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply (create or update) of one object."""
 
@@ -37,7 +50,7 @@ class KubeApi(Protocol):
         """The object, or None when it does not exist."""
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> None:
-        """Merge-patches the status subresource."""
+        """Merge-patches the status subresource; an object deleted meanwhile is not an error."""
 
 
 class EventSink(Protocol):
@@ -62,22 +75,50 @@ class KubernetesApi:
         return self._dynamic.resources.get(api_version=api_version, kind=kind)
 
     def apply(self, obj: dict[str, Any]) -> None:
-        resource = self._resource(obj["apiVersion"], obj["kind"])
-        self._dynamic.server_side_apply(resource, body=obj, namespace=obj["metadata"].get("namespace"),
-                                        field_manager=MANAGER, force_conflicts=True)
+        with _refusals():
+            resource = self._resource(obj["apiVersion"], obj["kind"])
+            self._dynamic.server_side_apply(resource, body=obj, namespace=obj["metadata"].get("namespace"),
+                                            field_manager=MANAGER, force_conflicts=True)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         from kubernetes.dynamic.exceptions import NotFoundError
 
-        try:
-            return self._dynamic.get(self._resource(api_version, kind), name=name, namespace=namespace).to_dict()
-        except NotFoundError:
-            return None
+        with _refusals():
+            try:
+                return self._dynamic.get(self._resource(api_version, kind), name=name, namespace=namespace).to_dict()
+            except NotFoundError:
+                return None
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> None:
-        resource = self._resource(ref.api_version, ref.kind).subresources["status"]
-        self._dynamic.patch(resource, body={"status": status}, name=ref.name, namespace=ref.namespace,
-                            content_type="application/merge-patch+json")
+        from kubernetes.dynamic.exceptions import NotFoundError
+
+        with _refusals():
+            resource = self._resource(ref.api_version, ref.kind).subresources["status"]
+            with suppress(NotFoundError):  # deleted while its pool's tick ran
+                self._dynamic.patch(resource, body={"status": status}, name=ref.name, namespace=ref.namespace,
+                                    content_type="application/merge-patch+json")
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """The client's errors as KubeError, with the API server's own message."""
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
+
+    try:
+        yield
+    except ResourceNotFoundError as exc:  # the kind itself is unknown: a CRD is not installed
+        raise KubeError(404, str(exc)) from exc
+    except (DynamicApiError, ApiException) as exc:
+        raise KubeError(int(getattr(exc, "status", 0) or 0), _message(exc)) from exc
+
+
+def _message(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    try:
+        return str(json.loads(body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(getattr(exc, "reason", "") or exc)
 
 
 class KopfEvents:

@@ -16,7 +16,7 @@ from loraplex.engine.clock import WallClock
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector
-from loraplex_operator.kube import KopfEvents, KubernetesApi
+from loraplex_operator.kube import KopfEvents, KubeError, KubernetesApi
 
 MAX_PRIORITY = 1 << 30
 
@@ -54,9 +54,21 @@ def run(args: argparse.Namespace) -> int:
     peering = args.peering or config.peering
     deps = build_deps(config)
     if not args.standalone:
-        for obj in peering_objects(peering, namespaces):
-            deps.kube.apply(obj)
+        _start_peering(deps, peering, namespaces)
+    # kopf makes peering mandatory whenever it is given a peering name: none when standalone.
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=args.standalone,
-             priority=priority, peering_name=peering, liveness_endpoint=args.liveness,
-             memo=kopf.Memo(deps=deps))
+             priority=priority, peering_name=None if args.standalone else peering,
+             liveness_endpoint=args.liveness, memo=kopf.Memo(deps=deps))
     return 0
+
+
+def _start_peering(deps: Deps, peering: str, namespaces: list[str]) -> None:
+    """Creates the peering objects; without kopf's peering CRDs kopf would wait silently forever."""
+    for obj in peering_objects(peering, namespaces):
+        try:
+            deps.kube.apply(obj)
+        except KubeError as exc:
+            if exc.status == 404:
+                raise CommandError("kopf's peering CRDs are not installed: `kubectl apply --server-side -f crds/` "
+                                   "(or install the Helm chart), or run a single replica with --standalone") from exc
+            raise CommandError(f"cannot create the peering object {obj['metadata']['name']!r}: {exc}") from exc

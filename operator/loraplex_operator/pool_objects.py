@@ -18,9 +18,17 @@ from loraplex.spec.crd import AdapterPoolSpec
 from loraplex_operator import names
 from loraplex_operator.config import OperatorConfig
 
-MODELS_DIR = "/models"
+MODELS_DIR = "/var/lib/loraplex/models"
 ADAPTERS_DIR = "/var/lib/loraplex/adapters"
+SHM_DIR = "/dev/shm"
 USER_ID = 10001  # the non-root user of the images (Dockerfile)
+# The pod's own volumes. Users add theirs in servers.volumes / volumeMounts: names with our prefix
+# and mount paths over or under ours are refused (VOLUME_CONFLICT), never merged into a pod the
+# API server would reject.
+OWN_PREFIX = "loraplex-"
+MODELS_VOLUME, ADAPTERS_VOLUME, SHM_VOLUME = f"{OWN_PREFIX}models", f"{OWN_PREFIX}adapters", f"{OWN_PREFIX}dshm"
+OWN_MOUNTS = {MODELS_VOLUME: MODELS_DIR, ADAPTERS_VOLUME: ADAPTERS_DIR, SHM_VOLUME: SHM_DIR}
+VOLUME_CONFLICT = "VolumeConflict"
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,22 @@ class PoolRef:
     name: str
     namespace: str
     uid: str
+
+
+def _nested(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return a.startswith(b) or b.startswith(a)
+
+
+def volume_conflicts(spec: AdapterPoolSpec) -> str:
+    """Why the user's volumes cannot join the pod ('' when they can)."""
+    problems = [f"volume {v.get('name')!r} uses the reserved prefix {OWN_PREFIX!r}" for v in spec.servers.volumes
+                if str(v.get("name", "")).startswith(OWN_PREFIX)]
+    for mount in spec.servers.volume_mounts:
+        path = str(mount.get("mountPath", ""))
+        problems += [f"volumeMount {mount.get('name')!r} at {path!r} overlaps the agent's {own!r}"
+                     for own in OWN_MOUNTS.values() if path and _nested(path, own)]
+    return "; ".join(problems)
 
 
 def _metadata(pool: PoolRef, name: str) -> dict[str, Any]:
@@ -56,7 +80,7 @@ def fetch_model_container(spec: AdapterPoolSpec, image: str) -> dict[str, Any] |
         command += ["--revision", revision]
     return {"name": "fetch-model", "image": image, "imagePullPolicy": spec.servers.image_pull_policy,
             "command": command, "env": [{"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf"}, *spec.servers.env],
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+            "volumeMounts": [{"name": MODELS_VOLUME, "mountPath": MODELS_DIR}],
             "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}
 
 
@@ -163,8 +187,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
-    mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "adapters", "mountPath": ADAPTERS_DIR},
-              {"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts = [{"name": name, "mountPath": path} for name, path in OWN_MOUNTS.items()]
     return {
         "name": "agent",
         "image": spec.servers.image or config.agent_image,
@@ -192,8 +215,8 @@ def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> d
         "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
                             "fsGroup": USER_ID},
         "terminationGracePeriodSeconds": 60,  # lets running requests finish
-        "volumes": [{"name": "models", "emptyDir": {}}, {"name": "adapters", "emptyDir": {}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}] + list(servers.volumes),
+        "volumes": [{"name": MODELS_VOLUME, "emptyDir": {}}, {"name": ADAPTERS_VOLUME, "emptyDir": {}},
+                    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] + list(servers.volumes),
     }
     fetch = fetch_model_container(spec, image)
     if fetch is not None:

@@ -5,11 +5,20 @@ kopf index) and the Deps."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loraplex.placement.snapshot import PlacementError
-from loraplex.routing import DEFAULT_WINDOWS, RoutingStore, RoutingTable, StoreUnavailableError
+from loraplex.routing import (
+    DEFAULT_WINDOWS,
+    AdapterRecord,
+    DemandWindows,
+    RoutingStore,
+    RoutingTable,
+    ServerRecord,
+    StaleVersionError,
+    StoreUnavailableError,
+)
 from loraplex.spec.crd import (
     API_VERSION,
     AdapterPoolSpec,
@@ -18,13 +27,27 @@ from loraplex.spec.crd import (
     LoRADeploymentSpec,
     LoRADeploymentStatus,
 )
-from loraplex_operator import names
-from loraplex_operator.adapter_status import UNPLACEABLE, AdapterView, Event, adapter_status
+from loraplex_operator.adapter_reconcile import RetryLater, adapter_view, rank_too_large, register_adapter
+from loraplex_operator.adapter_status import (
+    RANK_TOO_LARGE,
+    TICK_REASONS,
+    UNPLACEABLE,
+    AdapterView,
+    Event,
+    adapter_status,
+    blocked_status,
+)
 from loraplex_operator.deps import Deps
-from loraplex_operator.kube import ObjectRef
-from loraplex_operator.pool_objects import PoolRef, build_statefulset, pool_objects
+from loraplex_operator.kube import KubeError, ObjectRef
+from loraplex_operator.pool_objects import (
+    VOLUME_CONFLICT,
+    PoolRef,
+    build_statefulset,
+    pool_objects,
+    volume_conflicts,
+)
 from loraplex_operator.pool_policy import MAX_SERVER_LOAD
-from loraplex_operator.pool_sizing import planner_sizing, size_with_planner
+from loraplex_operator.pool_sizing import INVALID_SIZING, planner_sizing, size_with_planner
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
 from loraplex_operator.replica_bounds import replica_bounds
 from loraplex_operator.scaling import ScaleDecision, decide_replicas, short_of_capacity, with_shortfall
@@ -48,21 +71,50 @@ class TickResult:
     events: list[Event]
 
 
+# Adapters re-registered by one tick at most (each may read its source): a pool whose registry was
+# lost (Redis restarted empty) or whose maxLoraRank was raised recovers over a few ticks, and a tick
+# stays short.
+MAX_REREGISTER_PER_TICK = 32
+APPLY_FAILED = "ApplyFailed"  # the API server refused one of the pool's objects
+# Status reasons after which the tick registers the adapter again (the handler does not run again).
+_REREGISTER = frozenset({"NotRegistered", "PoolNotFound", RANK_TOO_LARGE})
+
+
 def _pool_ref(ref: ObjectRef) -> PoolRef:
     return PoolRef(ref.name, ref.namespace, ref.uid)
 
 
+class InvalidPool(Exception):
+    """The pool's objects cannot be made as the spec is written (or the API server refused them)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
+    """(reason, message) when the spec cannot be served as written; ("", "") when it can."""
+    conflicts = volume_conflicts(spec)
+    return (VOLUME_CONFLICT, conflicts) if conflicts else ("", "")
+
+
 def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps) -> int:
-    """Creates or updates everything the pool owns; returns the replicas asked of the StatefulSet."""
+    """Creates or updates everything the pool owns; returns the replicas asked of the StatefulSet.
+    Raises InvalidPool, before applying anything, when the spec cannot be served, or with the API
+    server's answer when it refuses an object."""
+    reason, message = spec_failure(spec)
+    if reason:
+        raise InvalidPool(reason, message)
     replicas = spec.servers.desired_replicas
     for obj in pool_objects(_pool_ref(ref), spec, deps.config, replicas):
-        deps.kube.apply(obj)
+        try:
+            deps.kube.apply(obj)
+        except KubeError as exc:
+            failure = (APPLY_FAILED, f"{obj['kind']} {obj['metadata']['name']}: {exc.message}")
+            deps.apply_failures[ref.name] = failure
+            raise InvalidPool(*failure) from exc
+    deps.apply_failures.pop(ref.name, None)
     return replicas
-
-
-def _ready_replicas(ref: ObjectRef, deps: Deps) -> int:
-    sts = deps.kube.get("apps/v1", "StatefulSet", ref.namespace, names.statefulset_name(ref.name))
-    return int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
 
 
 @dataclass(frozen=True)
@@ -91,8 +143,10 @@ def _place(pool: str, spec: AdapterPoolSpec, deployments: Sequence[DeploymentInf
     """Runs the placement with the LoRADeployments' replica bounds: at most one new table version."""
     bounds = replica_bounds((d.name, d.spec.replicas) for d in deployments)
     report = deps.place(pool, spec, bounds)
-    if report.outcome not in ("published", "unchanged"):  # no servers or no adapters: nothing to say
-        return Findings(None, (), None, frozenset())
+    if report.outcome == "no-adapters":
+        return Findings(0, (), None, frozenset())
+    if report.outcome == "no-servers":  # the estimate alone: nothing was placed
+        return Findings(report.required_servers, (), None, frozenset())
     busiest = report.placement.stats.get(MAX_SERVER_LOAD) if report.placement else None
     return Findings(report.required_servers, report.overloaded, busiest, frozenset(report.unplaceable))
 
@@ -112,47 +166,89 @@ def _scale(spec: AdapterPoolSpec, required: int | None, previous: AdapterPoolSta
                            spec.placement.scale_down_delay_seconds)
 
 
-def _unplaceable(d: DeploymentInfo, unplaceable: frozenset[str] | None) -> bool:
-    """As the placement of this tick says; between placements, as the last one said."""
-    if unplaceable is not None:
-        return d.name in unplaceable
-    return d.status is not None and d.status.reason == UNPLACEABLE
+def _handled(d: DeploymentInfo) -> bool:
+    """Its handler registered (or refused) this generation: the tick may take over its status."""
+    return d.status is not None and d.status.observed_generation == d.generation
 
 
-def _refresh_deployments(ref: ObjectRef, deployments: Sequence[DeploymentInfo], store: RoutingStore,
-                         table: RoutingTable | None, unplaceable: frozenset[str] | None, deps: Deps) -> None:
-    """Rewrites the status of the pool's LoRADeployments that may have changed: all of them after a
-    placement, otherwise those not Ready yet or behind the current routing version. A Failed status
-    of the current generation stays until the spec changes, except the placement's own (no server
-    holds the rank), which clears once a placement places the adapter."""
-    placed = unplaceable is not None  # a placement ran this tick
+def _prune_registry(spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo], records: Mapping[str, AdapterRecord],
+                    deps: Deps, store: RoutingStore) -> list[str]:
+    """Takes out of the registry what must not be placed: adapters whose LoRADeployment is gone (deleted
+    while no operator ran), whose generation Failed, or whose rank the pool no longer accepts (their
+    status turns Failed/RankTooLarge in `_refresh_deployments`). Returns the removed names."""
+    by_name = {d.name: d for d in deployments}
+    removed = []
+    for name, record in records.items():
+        d = by_name.get(name)
+        failed = d is not None and _handled(d) and d.status is not None and d.status.phase == "Failed" \
+            and d.status.reason != UNPLACEABLE
+        if d is None or failed or rank_too_large(record.rank, spec):
+            store.remove_adapter(name)
+            removed.append(name)
+    return removed
+
+
+def _reregister(ref: ObjectRef, pool: AdapterPoolSpec, deployments: Sequence[DeploymentInfo],
+                records: Mapping[str, AdapterRecord], deps: Deps) -> int:
+    """Registers again the adapters that wait for the pool rather than for their own spec: their
+    pool came back, its max rank now holds them, or the registry lost them. Returns how many."""
+    due = [d for d in deployments if _handled(d) and d.name not in records and d.status is not None
+           and (d.status.reason in _REREGISTER or d.status.reason in TICK_REASONS)
+           and not (d.status.reason == RANK_TOO_LARGE and rank_too_large(d.status.rank or 0, pool))]
+    for d in due[:MAX_REREGISTER_PER_TICK]:
+        target = ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid)
+        try:
+            outcome = register_adapter(target, d.generation, d.spec, d.status, pool, deps)
+        except RetryLater as retry:
+            outcome = retry.outcome
+        write_status(deps, target, d.status, *outcome)
+    return min(len(due), MAX_REREGISTER_PER_TICK)
+
+
+def write_status(deps: Deps, target: ObjectRef, previous: LoRADeploymentStatus | None,
+                 status: LoRADeploymentStatus, events: Sequence[Event]) -> None:
+    """Patches the status (and posts its events) unless the object already has it, or this operator
+    wrote exactly this status last (the watch has not brought it back yet)."""
+    new = status.to_k8s()
+    if (previous is not None and previous.to_k8s() == new) or deps.written.get(target.uid) == new:
+        return
+    deps.kube.patch_status(target, status.to_patch())
+    deps.written[target.uid] = new
+    for event in events:
+        deps.events.post(target, event)
+
+
+def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo],
+                         records: Mapping[str, AdapterRecord], table: RoutingTable | None,
+                         servers: Sequence[ServerRecord], demand: DemandWindows | None, deps: Deps) -> None:
+    """Rewrites the statuses the tick owns (TICK_REASONS, once the handler registered the generation)
+    that changed: placement, serving servers, the demand after a placement, and RankTooLarge when
+    the pool's max rank dropped below the adapter's. Every other status is its handler's."""
     now = deps.clock.now()
-    servers = store.healthy_servers()
-    demand = store.demand_windows(now, DEFAULT_WINDOWS)
-    records = {r.name: r for r in store.adapters()}
-    version = table.version if table else None
     for d in deployments:
         prev = d.status
-        if prev is not None and prev.phase == "Failed" and prev.reason != UNPLACEABLE \
-                and prev.observed_generation == d.generation:
+        if prev is None or not _handled(d) or prev.reason not in TICK_REASONS:
             continue
-        if not placed and prev is not None and prev.phase == "Ready" and prev.routing_version == version:
-            continue
-        view = AdapterView(d.name, ref.name, d.generation, True, records.get(d.name), table, servers,
-                           demand.mean_tps(d.name), demand.window_s * DEFAULT_WINDOWS,
-                           _unplaceable(d, unplaceable))
-        status, events = adapter_status(view, prev, now)
         target = ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid)
-        if prev is None or status.to_k8s() != prev.to_k8s():
-            deps.kube.patch_status(target, status.to_patch())
-        for event in events:
-            deps.events.post(target, event)
+        too_large = rank_too_large(prev.rank or 0, spec)
+        if too_large:
+            write_status(deps, target, prev, *blocked_status("Failed", RANK_TOO_LARGE, too_large, d.generation,
+                                                            prev, now, prev.rank, prev.digest))
+            continue
+        tps = (demand.mean_tps(d.name), demand.window_s * DEFAULT_WINDOWS) if demand else (None, 0.0)
+        view = adapter_view(d.name, d.spec, d.generation, records.get(d.name), table, servers, tps)
+        write_status(deps, target, prev, *adapter_status(view, prev, now))
 
 
 def _tick_events(previous: AdapterPoolStatus | None, status: AdapterPoolStatus, table: RoutingTable | None
                  ) -> list[Event]:
-    """RoutingUpdated on a new version; CapacityShortfall when the pool becomes short of capacity."""
+    """RoutingUpdated on a new version; CapacityShortfall when the pool becomes short of capacity; a
+    Warning with the reason when the pool turns Failed (or fails for another reason)."""
     events = []
+    ready, before_ready = _condition(status, "Ready"), _condition(previous, "Ready") if previous else None
+    if status.phase == "Failed" and ready is not None and (
+            previous is None or previous.phase != "Failed" or before_ready is None or before_ready.reason != ready.reason):
+        events.append(Event("Warning", ready.reason, ready.message))
     if table is not None and previous is not None and previous.routing_version != table.version:
         events.append(Event("Normal", "RoutingUpdated", f"routing version {table.version}: "
                             f"{len(table.entries)} adapters on {len(table.servers())} servers"))
@@ -173,7 +269,7 @@ def _planner_floor(deployments: Sequence[DeploymentInfo]) -> int:
 
 
 def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
-              deployments: Sequence[DeploymentInfo], deps: Deps) -> TickResult:
+              deployments: Sequence[DeploymentInfo], ready_pods: frozenset[str], deps: Deps) -> TickResult:
     now = deps.clock.now()
     last = parse_time(previous.last_placement_time) if previous else None
     findings = _previous_findings(previous)
@@ -181,15 +277,24 @@ def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, pre
     table, servers, store_error, events, sizing = None, [], "", [], None
     try:
         store = deps.store(ref.name)
+        routes = deps.routes(ref.name)
+        routes.ready_pods = ready_pods
+        routes.bounds = replica_bounds((d.name, d.spec.replicas) for d in deployments)
+        records = {r.name: r for r in store.adapters()}
+        if _prune_registry(spec, deployments, records, deps, store) or _reregister(ref, spec, deployments, records, deps):
+            records = {r.name: r for r in store.adapters()}
+        table, servers = routes.sync()
         due = placement_due(previous.last_placement_time if previous else None,
                             spec.placement.interval_seconds, now)
         if by_planner:  # before placing: a failed placement must not hold the plan back
             sizing = size_with_planner(ref.name, spec, previous, _planner_floor(deployments), due, deps)
+        demand = None
         if due:
             last, findings = now, _place(ref.name, spec, deployments, deps)
-        table, servers = store.read_table(), store.healthy_servers()
-        _refresh_deployments(ref, deployments, store, table, findings.unplaceable, deps)
-    except StoreUnavailableError as exc:
+            table, servers = routes.sync()
+            demand = store.demand_windows(now, DEFAULT_WINDOWS)
+        _refresh_deployments(ref, spec, deployments, records, table, servers, demand, deps)
+    except (StoreUnavailableError, StaleVersionError) as exc:
         store_error = str(exc)
     except PlacementError as exc:
         events.append(Event("Warning", "PlacementFailed", str(exc)))
@@ -199,18 +304,39 @@ def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, pre
         deps.planner.forget(ref.name)
     required = sizing.required if sizing else findings.required_with_shortfall(len(servers))
     events += sizing.events if sizing else ()
-    decision = _scale(spec, required, previous, now) if not store_error else ScaleDecision(
+    failure = spec_failure(spec)
+    if not failure[0]:
+        failure = deps.apply_failures.get(ref.name) or ((INVALID_SIZING, sizing.invalid) if sizing and sizing.invalid
+                                                        else ("", ""))
+    decision = _scale(spec, required, previous, now) if not (store_error or failure[0]) else ScaleDecision(
         spec.servers.desired_replicas, None)
     new_replicas = None
     if decision.replicas != spec.servers.desired_replicas:
-        new_replicas = decision.replicas
-        deps.kube.apply(build_statefulset(_pool_ref(ref), spec, deps.config, decision.replicas))
-        events.append(Event("Normal", decision.reason or "Scaled", f"servers {spec.servers.desired_replicas} -> "
-                            f"{decision.replicas} (required {required})"))
-    view = PoolView(ref.name, generation, decision.replicas, _ready_replicas(ref, deps), table, servers,
+        try:
+            deps.kube.apply(build_statefulset(_pool_ref(ref), spec, deps.config, decision.replicas))
+            new_replicas = decision.replicas
+            events.append(Event("Normal", decision.reason or "Scaled", f"servers {spec.servers.desired_replicas} "
+                                f"-> {decision.replicas} (required {required})"))
+        except KubeError as exc:
+            events.append(Event("Warning", "ScaleFailed", f"servers {spec.servers.desired_replicas} -> "
+                                f"{decision.replicas}: {exc.message}"))
+            decision = ScaleDecision(spec.servers.desired_replicas, decision.below_since)
+    view = PoolView(ref.name, generation, decision.replicas, len(ready_pods), table, servers,
                     required, store_error, findings.overloaded, findings.max_server_load,
                     spec.servers.max_replicas if spec.placement.autoscale else None,
-                    sizing.slots if sizing else (), sizing.condition if sizing else None,
-                    sizing.invalid if sizing else "")
+                    sizing.slots if sizing else (), sizing.condition if sizing else None, failure)
     status = pool_status(view, previous, last, decision.below_since, now)
     return TickResult(status, new_replicas, events + _tick_events(previous, status, table))
+
+
+def forget_pool(pool: str, namespace: str, deployments: Sequence[DeploymentInfo], deps: Deps) -> None:
+    """The pool's finalizer: its routing state leaves Redis, and its adapters say PoolNotFound (their
+    own handlers do not run again; a pool created again under the name re-registers them)."""
+    deps.store(pool).clear()
+    deps.forget(pool)
+    deps.apply_failures.pop(pool, None)
+    now = deps.clock.now()
+    for d in deployments:
+        target = ObjectRef(API_VERSION, "LoRADeployment", namespace, d.name, d.uid)
+        view = AdapterView(d.name, pool, d.generation, False, None, None, ())
+        write_status(deps, target, d.status, *adapter_status(view, d.status, now))

@@ -74,12 +74,10 @@ def planner_sizing(outcome: PlanOutcome | None, previous: AdapterPoolStatus | No
     return Sizing(max(outcome.servers, floor), outcome.slots, (True, PLANNED, message), events=events)
 
 
-def invalid_sizing(message: str, previous: AdapterPoolStatus | None) -> Sizing:
-    """A sizing spec the operator cannot use: no estimate (the autoscaler holds), the pool is Failed."""
-    before = _previous_condition(previous)
-    events = () if before is not None and before.reason == INVALID_SIZING else (
-        Event("Warning", INVALID_SIZING, message),)
-    return Sizing(None, (), (False, INVALID_SIZING, message), invalid=message, events=events)
+def invalid_sizing(message: str) -> Sizing:
+    """A sizing spec the operator cannot use: no estimate (the autoscaler holds), the pool is Failed
+    (the tick posts the Warning event)."""
+    return Sizing(None, (), (False, INVALID_SIZING, message), invalid=message)
 
 
 def _ask(pool: str, spec: AdapterPoolSpec, profile: Profile, deps: Deps) -> bool:
@@ -106,7 +104,7 @@ def size_with_planner(pool: str, spec: AdapterPoolSpec, previous: AdapterPoolSta
         profile = _profile(spec.sizing.profile)
         check_profile(profile, spec.sizing)
     except (OSError, ValueError) as exc:
-        return invalid_sizing(f"sizing.profile: {exc}", previous)
+        return invalid_sizing(f"sizing.profile: {exc}")
     if (due or not deps.planner.asked(pool)) and not _ask(pool, spec, profile, deps):
         deps.planner.forget(pool)
         return Sizing(None, (), (False, NO_ADAPTERS, "the pool has no adapters to plan for"))

@@ -41,7 +41,7 @@ class PoolView:
     max_replicas: int | None = None  # the autoscaler's ceiling (None: autoscaling off)
     planned_slots: Sequence[int] = ()  # sizing by the planner: A_max per planned server
     planned: tuple[bool, str, str] | None = None  # the Planned condition; None: sized by the placement
-    sizing_error: str = ""        # non-empty when spec.sizing cannot be used
+    failure: tuple[str, str] = ("", "")  # (reason, message) when the spec cannot be served as written
 
 
 def shortfall_condition(view: PoolView) -> tuple[bool, str, str]:
@@ -77,8 +77,8 @@ def _servers(view: PoolView) -> list[ServerStatus]:
 
 def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placement: float | None,
                 below_since: float | None, now: float) -> AdapterPoolStatus:
-    if view.sizing_error:
-        phase, reason, message = "Failed", "InvalidSizing", view.sizing_error
+    if view.failure[0]:
+        phase, (reason, message) = "Failed", view.failure
     elif view.store_error:
         phase, reason, message = "Degraded", "StoreUnavailable", view.store_error
     elif view.ready_replicas == 0:

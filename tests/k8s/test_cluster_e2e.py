@@ -1,18 +1,21 @@
-"""End to end against a real API server (runs only when KUBECONFIG is set, e.g. a kind cluster):
-install the CRDs, run `loraplex operator` on this machine with a local redis-server, apply a pool and
-two adapters, and see the StatefulSet, the statuses and the routing table.
+"""End to end against a real API server (runs only when KUBECONFIG is set): install the CRDs as the
+docs say (`kubectl apply --server-side -f crds/`), run `loraplex operator` on this machine with a
+local redis-server, and use the cluster as a user would, with kubectl and the Kubernetes client.
 
-No GPU pods need to start: the test heartbeats two server records into the pool's registry, as the
-agents of llama3-0 and llama3-1 would, so placement has servers to use.
+No GPU pods need to start, and no kubelet either: test agents heartbeat server records into the
+pool's registry, as the agents of `<pool>-0`, `<pool>-1` would, and mark those pods Ready through
+the pod status subresource (a server serves only with a Ready pod and a fresh heartbeat).
 
     KUBECONFIG=~/.kube/config pytest -m cluster tests/k8s/test_cluster_e2e.py
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,100 +23,275 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="needs KUBECONFIG (a real cluster)")]
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION = "loraplex.io", "v1alpha1"
+DIGEST = "e" * 64
 
 
-def _wait(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
+def _wait(what: str, probe: Callable[[], Any], timeout: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = probe()
         if value:
             return value
-        time.sleep(1.0)
+        time.sleep(0.5)
     pytest.fail(f"timed out waiting for {what}")
 
 
-@pytest.fixture
-def namespace() -> Iterator[str]:
-    from kubernetes import client, config
+def kubectl(*args: str, namespace: str | None = None, stdin: str | None = None, check: bool = True
+            ) -> subprocess.CompletedProcess[str]:
+    ns = ["-n", namespace] if namespace else []
+    return subprocess.run(["kubectl", *ns, *args], input=stdin, capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="session")
+def crds() -> None:
+    """The documented install without Helm: every CRD in crds/, kopf's peering CRDs among them."""
+    from kubernetes import config
 
     config.load_kube_config()
-    subprocess.run(["kubectl", "apply", "--server-side", "-f", str(ROOT / "crds")], check=True)
-    name = f"loraplex-e2e-{uuid.uuid4().hex[:6]}"
-    core = client.CoreV1Api()
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    yield name
-    core.delete_namespace(name)
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    for crd in ("adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev"):
+        kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
 
 
 @pytest.fixture
-def operator(namespace: str, redis_url: str) -> Iterator[None]:
-    env = {**os.environ, "LORAPLEX_REDIS_URL": redis_url, "LORAPLEX_TICK_SECONDS": "2"}
-    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "operator", "--standalone",
-                             f"--namespace={namespace}", "--liveness=http://127.0.0.1:0/healthz"], env=env)
-    yield
-    proc.terminate()
-    proc.wait(timeout=30)
+def namespace(crds: None) -> Iterator[str]:
+    name = f"loraplex-e2e-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", name)
+    yield name
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def _custom(kind_plural: str, namespace: str, body: dict[str, Any]) -> None:
-    from kubernetes import client
+class Operator:
+    """`loraplex operator` as a process; its log is checked for tracebacks when it stops."""
 
-    client.CustomObjectsApi().create_namespaced_custom_object(GROUP, VERSION, namespace, kind_plural, body)
+    def __init__(self, namespace: str, redis_url: str, log: Path, *extra: str) -> None:
+        env = {**os.environ, "LORAPLEX_REDIS_URL": redis_url, "LORAPLEX_TICK_SECONDS": "1",
+               "LORAPLEX_PEERING": f"e2e-{namespace}"}
+        self.log = log
+        self._out = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "operator", f"--namespace={namespace}",
+                                      "--liveness=http://127.0.0.1:0/healthz", *extra],
+                                     env=env, stdout=self._out, stderr=subprocess.STDOUT)
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._out.close()
+        return self.log.read_text()
 
 
-def _status(kind_plural: str, namespace: str, name: str) -> dict[str, Any]:
-    from kubernetes import client
+@pytest.fixture
+def start_operator(namespace: str, redis_url: str, tmp_path: Path) -> Iterator[Callable[..., Operator]]:
+    started: list[Operator] = []
 
-    obj = client.CustomObjectsApi().get_namespaced_custom_object(GROUP, VERSION, namespace, kind_plural, name)
-    return obj.get("status") or {}
+    def start(*extra: str) -> Operator:
+        op = Operator(namespace, redis_url, tmp_path / f"operator-{len(started)}.log", *extra)
+        started.append(op)
+        return op
+
+    yield start
+    for op in started:
+        log = op.stop()
+        assert "Traceback" not in log, log[-4000:]
 
 
-def test_pool_and_two_adapters(namespace: str, operator: None, redis_url: str) -> None:
-    from kubernetes import client
+@pytest.fixture
+def operator(start_operator: Callable[..., Operator]) -> Operator:
+    return start_operator("--standalone")
 
-    from loraplex.routing import ServerRecord
+
+def apply(namespace: str, *objects: dict[str, Any]) -> None:
+    kubectl("apply", "-f", "-", namespace=namespace, stdin=yaml.safe_dump_all(objects))
+
+
+def pool(name: str = "tiny", **spec: Any) -> dict[str, Any]:
+    body = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
+            "servers": {"minReplicas": 2, "maxReplicas": 2, "gpusPerServer": 0},
+            "placement": {"intervalSeconds": 5, "autoscale": False}}
+    for section, values in spec.items():
+        body[section] = {**body.get(section, {}), **values}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "AdapterPool", "metadata": {"name": name}, "spec": body}
+
+
+def adapter(name: str, rank: int = 8, pool_name: str = "tiny", source: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"pool": pool_name, "adapter": {"source": source or f"file:///adapters/{name}"}}
+    if source is None:
+        spec["adapter"] |= {"sha256": DIGEST, "rank": rank}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "LoRADeployment", "metadata": {"name": name}, "spec": spec}
+
+
+def status(namespace: str, plural: str, name: str) -> dict[str, Any]:
+    out = kubectl("get", f"{plural}.{GROUP}", name, "-o", "json", namespace=namespace, check=False)
+    return (json.loads(out.stdout).get("status") or {}) if out.returncode == 0 else {}
+
+
+def phase(namespace: str, name: str) -> tuple[str, str]:
+    s = status(namespace, "loradeployments", name)
+    return s.get("phase", ""), s.get("reason", "")
+
+
+def statefulset(namespace: str, name: str = "tiny") -> dict[str, Any] | None:
+    out = kubectl("get", "statefulset", name, "-o", "json", namespace=namespace, check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+class Agents:
+    """Test agents of one pool: they heartbeat (holding what the table assigns them) until stopped,
+    and can mark their pods Ready."""
+
+    def __init__(self, redis_url: str, namespace: str, pool_name: str = "tiny", servers: int = 2,
+                 max_rank: int = 64) -> None:
+        from loraplex.routing.redis_store import RedisRoutingStore
+
+        self.namespace, self.pool, self.max_rank = namespace, pool_name, max_rank
+        self.ids = [f"{pool_name}-{i}" for i in range(servers)]
+        self.store = RedisRoutingStore.from_url(redis_url, pool_name)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from loraplex.routing import ServerRecord
+
+        while not self._stop.is_set():
+            table = self.store.read_table()
+            for sid in self.ids:
+                holds = tuple(table.assignments(sid)) if table else ()
+                record = ServerRecord(sid, f"http://{sid}:8000", self.max_rank, host_adapters=holds,
+                                      heartbeat_at=time.time())
+                self.store.register_server(record, ttl_s=4)
+            self._stop.wait(0.5)
+
+    def pods_ready(self) -> None:
+        body = json.dumps({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
+        for sid in self.ids:
+            _wait(f"pod {sid}", lambda s=sid: kubectl("get", "pod", s, namespace=self.namespace, check=False)
+                  .returncode == 0)
+            kubectl("patch", "pod", sid, "--subresource=status", "--type=merge", "-p", body, namespace=self.namespace)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.store.close()
+
+
+@pytest.fixture
+def agents(redis_url: str, namespace: str) -> Iterator[Callable[..., Agents]]:
+    made: list[Agents] = []
+
+    def make(**kwargs: Any) -> Agents:
+        made.append(Agents(redis_url, namespace, **kwargs))
+        return made[-1]
+
+    yield make
+    for a in made:
+        a.stop()
+
+
+def test_the_path_without_helm_elects_a_leader_and_reconciles(namespace: str, start_operator: Callable[..., Operator]
+                                                              ) -> None:
+    start_operator()  # peering on: kopf's peering CRDs came from crds/
+    apply(namespace, pool())
+    sts = _wait("the StatefulSet", lambda: statefulset(namespace))
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == "tiny"
+
+
+def test_standalone_reconciles(namespace: str, operator: Operator) -> None:
+    apply(namespace, pool())
+    _wait("the StatefulSet", lambda: statefulset(namespace))
+
+
+def test_both_example_pools_get_their_statefulset(namespace: str, operator: Operator) -> None:
+    for example in ("adapterpool.yaml", "adapterpool-planner.yaml"):
+        kubectl("apply", "-f", str(ROOT / "examples" / example), namespace=namespace)
+    for name in ("llama3-8b", "tiny"):
+        sts = _wait(f"the StatefulSet {name}", lambda n=name: statefulset(namespace, n))
+        volumes = [v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]]
+        assert len(volumes) == len(set(volumes))
+    time.sleep(3)
+    assert status(namespace, "adapterpools", "tiny")["phase"] != "Failed"
+
+
+def test_names_the_operator_cannot_use_are_refused(namespace: str, operator: Operator) -> None:
+    for bad in ("a.b", "p" * 53):
+        out = kubectl("apply", "-f", "-", namespace=namespace, check=False, stdin=yaml.safe_dump(pool(bad)))
+        assert out.returncode != 0 and "name" in out.stderr, out.stderr
+    longest = "p" * 52
+    apply(namespace, pool(longest))
+    _wait("its pods", lambda: kubectl("get", "pod", f"{longest}-0", namespace=namespace, check=False).returncode == 0)
+
+
+def test_an_unreachable_source_keeps_one_reason(namespace: str, operator: Operator) -> None:
+    apply(namespace, pool(), adapter("far", source="https://127.0.0.1:1/far"))
+    _wait("a status", lambda: phase(namespace, "far")[0])
+    seen = set()
+    for _ in range(8):  # eight pool ticks
+        seen.add(phase(namespace, "far"))
+        time.sleep(1)
+    assert seen == {("Pending", "SourceUnreachable")}
+    events = kubectl("get", "events", "--field-selector", "involvedObject.name=far", "-o", "json",
+                     namespace=namespace)
+    assert [e["reason"] for e in json.loads(events.stdout)["items"]] == ["SourceUnreachable"]
+
+
+def test_readiness_needs_a_ready_pod_and_a_heartbeat(namespace: str, operator: Operator,
+                                                     agents: Callable[..., Agents]) -> None:
+    apply(namespace, pool(), adapter("a"))
+    _wait("the StatefulSet", lambda: statefulset(namespace))
+    serving = agents()  # heartbeats while the pods are Pending
+    time.sleep(4)
+    assert phase(namespace, "a")[0] == "Pending" and status(namespace, "adapterpools", "tiny")["readyReplicas"] == 0
+    serving.pods_ready()
+    _wait("Ready", lambda: phase(namespace, "a") == ("Ready", "Serving"))
+    columns = kubectl("get", "apool", "tiny", "--no-headers", namespace=namespace).stdout.split()
+    assert columns[:6] == ["tiny", "Ready", "2", "2", "1", "1"]  # NAME PHASE READY SERVERS REQUIRED ADAPTERS
+
+
+def test_pool_changes_reach_its_adapters(namespace: str, redis_url: str, operator: Operator,
+                                         agents: Callable[..., Agents]) -> None:
+    apply(namespace, pool(), adapter("big", rank=32))
+    agents().pods_ready()
+    _wait("Ready", lambda: phase(namespace, "big") == ("Ready", "Serving"))
+    apply(namespace, pool(engine={"maxLoraRank": 16}))
+    _wait("Failed", lambda: phase(namespace, "big") == ("Failed", "RankTooLarge"))
+    columns = kubectl("get", "lora", "big", "--no-headers", namespace=namespace).stdout.split()
+    assert columns[:4] == ["big", "tiny", "Failed", "32"]  # NAME POOL PHASE RANK
+
     from loraplex.routing.redis_store import RedisRoutingStore
 
-    _custom("adapterpools", namespace, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "AdapterPool", "metadata": {"name": "llama3"},
-        "spec": {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
-                 "servers": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2, "gpusPerServer": 0},
-                 "placement": {"intervalSeconds": 5}}})
-    sts = _wait("the StatefulSet", lambda: _read_sts(namespace))
-    assert sts.spec.replicas == 2 and sts.spec.service_name == "llama3"
-
-    store = RedisRoutingStore.from_url(redis_url, "llama3")
-    for i in range(2):
-        store.register_server(ServerRecord(f"llama3-{i}", f"http://llama3-{i}:8000", 64), ttl_s=300)
-    for name, digest in (("sql", "a"), ("chat", "b")):
-        _custom("loradeployments", namespace, {
-            "apiVersion": f"{GROUP}/{VERSION}", "kind": "LoRADeployment", "metadata": {"name": name},
-            "spec": {"pool": "llama3", "adapter": {"source": f"s3://bucket/{name}", "sha256": digest * 64, "rank": 8}}})
-    for name in ("sql", "chat"):
-        status = _wait(f"{name} placed", lambda n=name: (s := _status("loradeployments", namespace, n)).get("weights") and s)
-        assert status["phase"] == "Loading" and status["rank"] == 8
-    table = store.read_table()
-    assert set(table.entries) == {"sql", "chat"}
-    pool = _wait("pool status", lambda: _status("adapterpools", namespace, "llama3").get("routingVersion") and
-                 _status("adapterpools", namespace, "llama3"))
-    assert pool["adapters"] == 2
-
-    client.CustomObjectsApi().delete_namespaced_custom_object(GROUP, VERSION, namespace, "loradeployments", "sql")
-    _wait("sql out of the table", lambda: "sql" not in (store.read_table().entries))
+    store = RedisRoutingStore.from_url(redis_url, "tiny")
+    assert store.get_adapter("big") is None and "big" not in store.read_table().entries
+    apply(namespace, pool(engine={"maxLoraRank": 64}))
+    _wait("Ready again", lambda: phase(namespace, "big") == ("Ready", "Serving"))
     store.close()
 
 
-def _read_sts(namespace: str) -> Any:
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
+def test_a_deleted_pool_leaves_no_state(namespace: str, redis_url: str, operator: Operator,
+                                        agents: Callable[..., Agents]) -> None:
+    import redis
 
-    try:
-        return client.AppsV1Api().read_namespaced_stateful_set("llama3", namespace)
-    except ApiException:
-        return None
+    apply(namespace, pool(), adapter("a"))
+    serving = agents()
+    serving.pods_ready()
+    _wait("Ready", lambda: phase(namespace, "a") == ("Ready", "Serving"))
+    serving.stop()
+    kubectl("delete", "apool", "tiny", "--timeout=60s", namespace=namespace)
+    _wait("PoolNotFound", lambda: phase(namespace, "a") == ("Pending", "PoolNotFound"))
+    client = redis.Redis.from_url(redis_url)
+    assert list(client.scan_iter(match="loraplex:{tiny}:*")) == []
+    client.close()
+    kubectl("delete", "lora", "a", "--timeout=60s", namespace=namespace)  # its finalizer completes
+
+
+def test_deleting_the_namespace_completes(namespace: str, operator: Operator, agents: Callable[..., Agents]) -> None:
+    apply(namespace, pool(), *(adapter(f"a{i}") for i in range(5)))
+    agents().pods_ready()
+    _wait("Ready", lambda: all(phase(namespace, f"a{i}")[0] == "Ready" for i in range(5)))
+    kubectl("delete", "namespace", namespace, "--timeout=120s")

@@ -82,7 +82,7 @@ def test_adapter_registered_inspected_and_routed_at_once(world: World) -> None:
     assert [(r.server, r.weight) for r in table.routes("sql")] == [("tiny-0", 1.0)]
     status = world.status("LoRADeployment", "sql")
     assert (status["phase"], status["rank"], status["weights"]) == ("Loading", 16, "tiny-0=1.00")
-    assert world.events.reasons("sql") == ["Fetching", "Placed"]
+    assert world.events.reasons("sql") == ["Fetching"]  # the weights are in its message
 
 
 def test_rank_above_the_pool_limit_fails_with_a_reason(world: World) -> None:
@@ -125,7 +125,7 @@ def test_finalizer_removes_adapter_from_registry_and_table(world: World) -> None
     world.create("LoRADeployment", "sql", {"pool": "tiny", "adapter": {"source": "hf://sql"}}, "sql-uid")
     world.call(handlers.adapter_changed, "LoRADeployment", "sql")
     body = kopf.Body(world.kube.objects[("LoRADeployment", NS, "sql")])
-    handlers.adapter_deleted(spec=body.spec, name="sql", memo=world.memo)
+    handlers.adapter_deleted(spec=body.spec, meta=body.meta, name="sql", memo=world.memo)
     assert world.stores["tiny"].get_adapter("sql") is None
     assert "sql" not in world.stores["tiny"].read_table().entries
 
@@ -262,7 +262,7 @@ def test_adapter_no_server_can_hold_fails_then_recovers_when_placed(world: World
     world.tick("tiny")
     status = world.status("LoRADeployment", "big")
     assert (status["phase"], status["weights"]) == ("Loading", "tiny-0=1.00")
-    assert world.events.reasons("big") == ["RankExceedsServers", "Fetching", "Placed"]
+    assert world.events.reasons("big") == ["RankExceedsServers", "Fetching"]
 
 
 def _shortfall(world: World) -> tuple[str, str, str]:

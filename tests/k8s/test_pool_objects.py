@@ -60,7 +60,7 @@ def test_statefulset_has_stable_names_gpus_and_scheduling() -> None:
     assert env["LORAPLEX_ADVERTISE_URL"]["value"] == "http://$(POD_NAME).llama.$(POD_NAMESPACE).svc:8000"
     assert env["LORAPLEX_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "agent-key", "key": "api-key"}
     fetch = pod["initContainers"][0]
-    assert fetch["command"] == ["hf", "download", "meta/llama", "--local-dir", "/models/base", "--revision", "v2"]
+    assert fetch["command"] == ["hf", "download", "meta/llama", "--local-dir", "/var/lib/loraplex/models/base", "--revision", "v2"]
 
 
 def test_every_agent_arg_variable_is_defined() -> None:

@@ -40,10 +40,11 @@ def test_ready_status_shows_rank_digest_weights_and_demand() -> None:
     view = _view(servers=[_server("p-0", ("sql",)), _server("p-1", ("sql",))], demand_tps=12.5, demand_window_s=60)
     status, events = adapter_status(view, None, now=0)
     assert status.rank == 16 and status.digest == D and status.ready_servers == 2
-    assert status.weights == "p-0=0.60,p-1=0.40" and status.routing_version == 3
+    assert status.weights == "p-0=0.60,p-1=0.40"
     assert status.observed_demand.tokens_per_second == 12.5
     assert {c.type: c.status for c in status.conditions} == {"Registered": "True", "Placed": "True", "Ready": "True"}
-    assert [(e.type, e.reason) for e in events] == [("Normal", "Serving"), ("Normal", "Placed")]
+    assert [(e.type, e.reason, e.message) for e in events] == [
+        ("Normal", "Serving", "Ready: served by 2 of 2 assigned servers (p-0=0.60,p-1=0.40)")]
 
 
 def test_events_only_on_transitions_and_transition_times_kept() -> None:
@@ -68,7 +69,7 @@ def test_unplaceable_adapter_fails_with_the_ranks_and_recovers_when_placed() -> 
     assert failed.message.startswith("rank 16 exceeds every server's maxLoraRank (at most 8)")
     assert [(e.type, e.reason) for e in events] == [("Warning", "RankExceedsServers")]
     placed, events = adapter_status(_view(unplaceable=False), failed, now=60)
-    assert placed.phase == "Loading" and [e.reason for e in events] == ["Fetching", "Placed"]
+    assert placed.phase == "Loading" and [e.reason for e in events] == ["Fetching"]
     # Without servers the adapter waits for them rather than failing.
     assert adapter_status(_view(table=None, servers=[], unplaceable=True), None, 0)[0].reason == "NoServers"
 

@@ -3,7 +3,14 @@
 import pytest
 import redis
 
-from loraplex.routing import PoolKeys, RoutingTable, ServerRecord, StoreUnavailableError, make_entry
+from loraplex.routing import (
+    AdapterRecord,
+    PoolKeys,
+    RoutingTable,
+    ServerRecord,
+    StoreUnavailableError,
+    make_entry,
+)
 from loraplex.routing.redis_store import RedisRoutingStore
 
 
@@ -27,6 +34,49 @@ def test_superseded_versions_expire_current_does_not(redis_url, client):
     assert 0 < client.ttl(keys.table(1)) <= 30
     assert client.ttl(keys.table(2)) == -1  # the current table never expires
     store.close()
+
+
+def test_a_burst_of_publishes_keeps_at_most_two_tables(redis_url, client):
+    store = RedisRoutingStore.from_url(redis_url, "p1", retain_s=30)
+    keys = PoolKeys("p1")
+    for version in range(1, 51):
+        store.publish_table(_table(version))
+    assert sorted(client.scan_iter(match=f"{keys.prefix}table:[0-9]*")) == [keys.table(49), keys.table(50)]
+    assert client.get(keys.previous_version) == "49"
+    assert store.read_table().version == 50
+    store.close()
+
+
+def test_registry_and_locations_are_two_hashes(redis_url, client):
+    store = RedisRoutingStore.from_url(redis_url, "p1")
+    keys = PoolKeys("p1")
+    for name in ("a", "b"):
+        store.put_adapter(AdapterRecord(name, "sha256:" + "a" * 64, 8, 1, "hf://o/a"))
+    store.add_location("a", "s2")
+    store.add_location("a", "s1")
+    store.add_location("a", "s1")
+    assert client.type(keys.locations) == "hash" and client.hget(keys.locations, "a") == '["s1","s2"]'
+    assert {r.name: r.locations for r in store.adapters()} == {"a": {"s1", "s2"}, "b": frozenset()}
+    assert store.remove_location("a", "s1") and not store.remove_location("a", "s2")  # the last copy stays
+    assert store.get_adapter("a").locations == {"s2"}
+    store.remove_adapter("a")
+    assert client.hget(keys.locations, "a") is None
+    store.close()
+
+
+def test_clear_removes_every_key_of_the_pool_only(redis_url, client):
+    one, two = RedisRoutingStore.from_url(redis_url, "one"), RedisRoutingStore.from_url(redis_url, "two")
+    for store in (one, two):
+        store.publish_table(_table(1))
+        store.put_adapter(AdapterRecord("a", "sha256:" + "a" * 64, 8, 1, "hf://o/a"))
+        store.register_server(ServerRecord("s1", "http://127.0.0.1:1", 8), ttl_s=20)
+        store.add_demand({"a": 5}, 0.0)
+    one.clear()
+    assert list(client.scan_iter(match=f"{PoolKeys('one').prefix}*")) == []
+    assert one.read_table() is None and one.adapters() == []
+    assert two.read_table().version == 1 and [r.name for r in two.adapters()] == ["a"]
+    one.close()
+    two.close()
 
 
 def test_heartbeat_sets_a_ttl_and_stale_ids_are_pruned(redis_url, client, free_port):

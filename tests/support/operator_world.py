@@ -14,7 +14,7 @@ from loraplex_operator.adapter_status import Event
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector
-from loraplex_operator.kube import ObjectRef
+from loraplex_operator.kube import KubeError, ObjectRef
 
 from loraplex.engine.clock import ManualClock
 from loraplex.routing import InMemoryRoutingStore, ServerRecord
@@ -39,8 +39,12 @@ class RecordingKube:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.applied: list[dict[str, Any]] = []
+        self.status_patches: list[str] = []  # names of the objects whose status was patched, in order
+        self.refuse: dict[str, KubeError] = {}  # kind -> the error its apply answers
 
     def apply(self, obj: dict[str, Any]) -> None:
+        if obj["kind"] in self.refuse:
+            raise self.refuse[obj["kind"]]
         self.applied.append(copy.deepcopy(obj))
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         self.objects[key] = merge(self.objects.get(key, {}), copy.deepcopy(obj))
@@ -49,6 +53,7 @@ class RecordingKube:
         return self.objects.get((kind, namespace, name))
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> None:
+        self.status_patches.append(ref.name)
         merge(self.objects[(ref.kind, ref.namespace, ref.name)], {"status": status})
 
 
@@ -75,6 +80,7 @@ class World:
         inspector = SourceInspector(hf_endpoint=base_url)
         self.deps = Deps(OperatorConfig(), self.kube, self.events, self.clock, self._store, inspector)
         self.memo = kopf.Memo(deps=self.deps)
+        self.ready_pods: dict[str, set[str]] = {}  # pool -> pods whose Ready condition is True
 
     def _store(self, pool: str) -> InMemoryRoutingStore:
         return self.stores.setdefault(pool, InMemoryRoutingStore(pool, self.clock))
@@ -85,12 +91,16 @@ class World:
             "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1}, "spec": spec, "status": {}}
 
     def call(self, handler: Any, kind: str, name: str, **extra: Any) -> kopf.Patch:
+        """Calls a handler as kopf does, with every index of the handlers module (kopf passes each
+        index to every handler as a keyword argument)."""
         obj = self.kube.objects[(kind, NS, name)]
         body = kopf.Body(copy.deepcopy(obj))
         patch = kopf.Patch()
+        indexes = {"adapters_by_pool": self.index(), "pools_by_name": self.pools_index(),
+                   "ready_pods_by_pool": self.pods_index(), **extra}
         try:
             handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
-                    patch=patch, memo=self.memo, logger=None, **extra)
+                    patch=patch, memo=self.memo, logger=None, **indexes)
         finally:
             merge(obj, dict(patch))  # kopf applies the patch even when the handler asks for a retry
         return patch
@@ -105,12 +115,31 @@ class World:
                     out.setdefault(key, []).append(value)
         return out
 
-    def tick(self, pool: str) -> kopf.Patch:
-        return self.call(handlers.pool_timer, "AdapterPool", pool, adapters_by_pool=self.index())
+    def pools_index(self) -> dict[tuple[str, str], list[Any]]:
+        out: dict[tuple[str, str], list[Any]] = {}
+        for (kind, _, name), obj in self.kube.objects.items():
+            if kind == "AdapterPool":
+                body = kopf.Body(copy.deepcopy(obj))
+                for key, value in handlers.pools_by_name(spec=body.spec, name=name, namespace=NS).items():
+                    out.setdefault(key, []).append(value)
+        return out
 
-    def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = (), max_rank: int = 64) -> None:
+    def pods_index(self) -> dict[tuple[str, str], list[str]]:
+        return {(NS, pool): sorted(pods) for pool, pods in self.ready_pods.items() if pods}
+
+    def tick(self, pool: str) -> kopf.Patch:
+        return self.call(handlers.pool_timer, "AdapterPool", pool)
+
+    def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = (), max_rank: int = 64,
+                  pod_ready: bool = True) -> None:
+        """The server's agent heartbeats; its pod is Ready unless `pod_ready` is False."""
         record = ServerRecord(sid, f"http://{sid}:8000", max_rank, host_adapters=holds, heartbeat_at=self.clock.now())
         self._store(pool).register_server(record, ttl_s=30)
+        pods = self.ready_pods.setdefault(pool, set())
+        if pod_ready:
+            pods.add(sid)
+        else:
+            pods.discard(sid)
 
     def status(self, kind: str, name: str) -> dict[str, Any]:
         return self.kube.objects[(kind, NS, name)]["status"]

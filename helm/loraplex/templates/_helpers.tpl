@@ -66,6 +66,10 @@ capabilities:
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
+# Which servers' pods are Ready: a server serves only with a Ready pod and a fresh heartbeat.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
 # The HF_TOKEN of a LoRADeployment's credentialsSecretRef (read, never written).
 - apiGroups: [""]
   resources: [secrets]
