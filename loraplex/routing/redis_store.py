@@ -92,6 +92,9 @@ class RedisRoutingStore:
         self._add_location = client.register_script(_ADD_LOCATION)
         self._remove_location = client.register_script(_REMOVE_LOCATION)
         self._cached: RoutingTable | None = None  # the last table read; tables never change once written
+        # The records of the last registry read by their raw values: a pool of thousands of adapters
+        # is re-read every few seconds, and decodes only what changed.
+        self._parsed: dict[str, tuple[tuple[str, str | None], AdapterRecord]] = {}
 
     @classmethod
     def from_url(cls, url: str, pool: str, window_s: float = DEFAULT_WINDOW_S,
@@ -246,12 +249,22 @@ class RedisRoutingStore:
             pipe.hgetall(self.keys.adapters)
             pipe.hgetall(self.keys.locations)
             records, locations = pipe.execute()
-        result = []
+        result, parsed = [], {}
         for name in sorted(records):
+            raw = (records[name], locations.get(name))
+            cached = self._parsed.get(name)
+            if cached is not None and cached[0] == raw:  # unchanged since the last read: no JSON decode
+                parsed[name] = cached
+                result.append(cached[1])
+                continue
             try:
-                result.append(AdapterRecord.from_json(records[name], _holders(locations.get(name))))
+                record = AdapterRecord.from_json(raw[0], _holders(raw[1]))
             except RecordError:
                 log.exception("ignoring a malformed adapter record %r in pool %s", name, self.pool)
+                continue
+            parsed[name] = (raw, record)
+            result.append(record)
+        self._parsed = parsed
         return result
 
     @_unavailable_on_redis_error

@@ -44,6 +44,8 @@ class Deps:
     planner: PlannerRunner = field(default_factory=PlannerRunner)  # pools sized by the planner
     # The last status this operator wrote per object uid: an unchanged status is not written again.
     written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # What the pool tick last refreshed each adapter's status from (object version and inputs).
+    refreshed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     # Pools whose objects the API server refused at the last apply: (reason, message) for their status.
     apply_failures: dict[str, tuple[str, str]] = field(default_factory=dict)
     _stores: dict[str, RoutingStore] = field(default_factory=dict)

@@ -115,7 +115,7 @@ def adapters_by_pool(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name
     if parsed is None:
         return None
     info = DeploymentInfo(name, meta.get("uid", ""), meta.get("generation"), parsed,
-                          _parse(LoRADeploymentStatus, status))
+                          _parse(LoRADeploymentStatus, status), str(meta.get("resourceVersion", "")))
     return {(namespace, parsed.pool): info}
 
 
@@ -186,6 +186,7 @@ def adapter_deleted(spec: kopf.Spec, meta: kopf.Meta, name: str, memo: kopf.Memo
     except (StoreUnavailableError, StaleVersionError) as exc:
         raise kopf.TemporaryError(f"cannot remove {name!r} from the routing store yet: {exc}", delay=10) from exc
     deps.written.pop(meta.get("uid", ""), None)
+    deps.refreshed.pop(meta.get("uid", ""), None)
 
 
 class _QuietTimers(logging.Filter):

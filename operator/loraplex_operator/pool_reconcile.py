@@ -62,6 +62,7 @@ class DeploymentInfo:
     generation: int | None
     spec: LoRADeploymentSpec
     status: LoRADeploymentStatus | None
+    resource_version: str = ""  # changes with every write of the object
 
 
 @dataclass(frozen=True)
@@ -218,25 +219,43 @@ def write_status(deps: Deps, target: ObjectRef, previous: LoRADeploymentStatus |
         deps.events.post(target, event)
 
 
+def _holders(servers: Sequence[ServerRecord]) -> dict[str, frozenset[str]]:
+    """adapter -> the serving servers that hold it (in GPU or host memory)."""
+    held: dict[str, set[str]] = {}
+    for s in servers:
+        for name in (*s.host_adapters, *s.gpu_adapters):
+            held.setdefault(name, set()).add(s.id)
+    return {name: frozenset(ids) for name, ids in held.items()}
+
+
 def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo],
                          records: Mapping[str, AdapterRecord], table: RoutingTable | None,
                          servers: Sequence[ServerRecord], demand: DemandWindows | None, deps: Deps) -> None:
     """Rewrites the statuses the tick owns (TICK_REASONS, once the handler registered the generation)
     that changed: placement, serving servers, the demand after a placement, and RankTooLarge when
-    the pool's max rank dropped below the adapter's. Every other status is its handler's."""
+    the pool's max rank dropped below the adapter's. Every other status is its handler's. An adapter
+    whose object and inputs are those of the last tick is skipped without building its status, so
+    a tick at rest costs a few dict lookups per adapter."""
     now = deps.clock.now()
+    holders, top_rank = _holders(servers), max((s.max_rank for s in servers), default=0)
     for d in deployments:
         prev = d.status
         if prev is None or not _handled(d) or prev.reason not in TICK_REASONS:
             continue
+        record = records.get(d.name)
+        tps = (demand.mean_tps(d.name), demand.window_s * DEFAULT_WINDOWS) if demand else (None, 0.0)
+        inputs = (d.resource_version, spec.engine.max_lora_rank, record and (record.digest, record.rank),
+                  table.entries.get(d.name) if table else None, holders.get(d.name), top_rank, tps)
+        if deps.refreshed.get(d.uid) == inputs:
+            continue
+        deps.refreshed[d.uid] = inputs
         target = ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid)
         too_large = rank_too_large(prev.rank or 0, spec)
         if too_large:
             write_status(deps, target, prev, *blocked_status("Failed", RANK_TOO_LARGE, too_large, d.generation,
                                                             prev, now, prev.rank, prev.digest))
             continue
-        tps = (demand.mean_tps(d.name), demand.window_s * DEFAULT_WINDOWS) if demand else (None, 0.0)
-        view = adapter_view(d.name, d.spec, d.generation, records.get(d.name), table, servers, tps)
+        view = adapter_view(d.name, d.spec, d.generation, record, table, servers, tps)
         write_status(deps, target, prev, *adapter_status(view, prev, now))
 
 

@@ -14,7 +14,7 @@ import pytest
 from loraplex_operator import handlers
 from loraplex_operator.coalesce import Coalescer
 from loraplex_operator.kube import KubeError
-from operator_world import NS, World
+from operator_world import NS, World, bump
 
 POOL_SPEC = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
              "servers": {"minReplicas": 2, "maxReplicas": 2, "gpusPerServer": 0},
@@ -54,6 +54,7 @@ def _update(world: World, kind: str, name: str, **spec_changes: Any) -> None:
     for section, values in spec_changes.items():
         obj["spec"][section] = {**obj["spec"].get(section, {}), **values}
     obj["metadata"]["generation"] += 1
+    bump(obj)
 
 
 def _settle(world: World, n: int = 40) -> None:

@@ -23,6 +23,12 @@ NS = "serving"
 T0 = 1_700_000_000.0
 
 
+def bump(obj: dict[str, Any]) -> None:
+    """A new resourceVersion, as the API server gives every write."""
+    meta = obj.setdefault("metadata", {})
+    meta["resourceVersion"] = str(int(meta.get("resourceVersion", "0")) + 1)
+
+
 def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     """JSON merge patch (RFC 7386), as the API server applies kopf's patches."""
     for key, value in patch.items():
@@ -54,7 +60,9 @@ class RecordingKube:
 
     def patch_status(self, ref: ObjectRef, status: dict[str, Any]) -> None:
         self.status_patches.append(ref.name)
-        merge(self.objects[(ref.kind, ref.namespace, ref.name)], {"status": status})
+        obj = self.objects[(ref.kind, ref.namespace, ref.name)]
+        merge(obj, {"status": status})
+        bump(obj)
 
 
 class RecordingEvents:
@@ -88,7 +96,7 @@ class World:
     def create(self, kind: str, name: str, spec: dict[str, Any], uid: str) -> None:
         self.kube.objects[(kind, NS, name)] = {
             "apiVersion": "loraplex.io/v1alpha1", "kind": kind,
-            "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1}, "spec": spec, "status": {}}
+            "metadata": {"name": name, "namespace": NS, "uid": uid, "generation": 1, "resourceVersion": "1"}, "spec": spec, "status": {}}
 
     def call(self, handler: Any, kind: str, name: str, **extra: Any) -> kopf.Patch:
         """Calls a handler as kopf does, with every index of the handlers module (kopf passes each
@@ -102,7 +110,9 @@ class World:
             handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
                     patch=patch, memo=self.memo, logger=None, **indexes)
         finally:
-            merge(obj, dict(patch))  # kopf applies the patch even when the handler asks for a retry
+            if dict(patch):  # kopf applies the patch even when the handler asks for a retry
+                merge(obj, dict(patch))
+                bump(obj)
         return patch
 
     def index(self) -> dict[tuple[str, str], list[Any]]:
