@@ -18,6 +18,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from loraplex.spec.names import MAX_POOL_NAME_LENGTH, POOL_NAME_PATTERN, is_pool_name
+
 GROUP = "loraplex.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -274,6 +276,14 @@ class AdapterPool(CrdModel):
     spec: AdapterPoolSpec
     status: AdapterPoolStatus | None = None
 
+    # The name is the Service's and the StatefulSet's (loraplex.spec.names). A root rule may read
+    # metadata.name; the Python twin lets a manifest without a name pass (the local stack says so).
+    cel_rules = (CelRule(
+        f"size(self.metadata.name) <= {MAX_POOL_NAME_LENGTH} && self.metadata.name.matches('{POOL_NAME_PATTERN}')",
+        f"metadata.name must be a DNS-1035 label of at most {MAX_POOL_NAME_LENGTH} characters (lowercase "
+        "letters, digits and '-', starting with a letter): it names the pool's Service and StatefulSet",
+        lambda m: "name" not in m.metadata or is_pool_name(m.metadata["name"])),)
+
 
 # ----------------------------------------------------------------------------------------------------
 # LoRADeployment: one adapter served by one pool.
@@ -338,8 +348,8 @@ class LoRADeploymentStatus(CrdModel):
     placement: list[PlacementEntry] = Field(default_factory=list)
     weights: str = Field("", description="The placement as text, e.g. 'pool-0=0.60,pool-1=0.40'")
     ready_servers: int = Field(0, ge=0, description="Assigned servers that hold the adapter")
-    observed_demand: ObservedDemand | None = None
-    routing_version: int | None = Field(None, ge=0)
+    observed_demand: ObservedDemand | None = Field(None, description="Tokens/s the routers counted, as of the "
+                                                   "last placement")
     observed_generation: int | None = Field(None, ge=0)
     conditions: list[Condition] = _conditions_field()
 

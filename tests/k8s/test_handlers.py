@@ -192,7 +192,7 @@ def test_timer_with_the_store_down_marks_the_pool_degraded(world: World) -> None
 
 def test_generated_crds_match_what_handlers_watch() -> None:
     crds = {p.name for p in (Path(__file__).resolve().parents[2] / "crds").glob("*.yaml")}
-    assert {f"{handlers.POOLS[2]}.yaml", f"{handlers.ADAPTERS[2]}.yaml"} == crds
+    assert {f"{handlers.POOLS[2]}.yaml", f"{handlers.ADAPTERS[2]}.yaml", "kopf-peerings.yaml"} == crds
 
 
 def _pool(world: World, **changes: Any) -> None:

@@ -1,5 +1,6 @@
-"""The Helm chart: values schema, templates rendered by the real Helm engine (the helm-python-sdk
-package embeds Helm's Go library; the test is skipped where it is not installed), the dashboard."""
+"""The Helm chart: values schema, templates rendered and linted by the real Helm engine (the
+helm-python-sdk package embeds Helm's Go library, `helm lint` included; the tests are skipped where it
+is not installed), the CRDs it installs, the dashboard."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from loraplex.spec.crd_schema import crd_manifests
+from loraplex.spec.crd_schema import crd_files
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
@@ -48,7 +49,8 @@ def test_bad_values_are_refused(bad: dict[str, Any]) -> None:
 def test_chart_files_parse() -> None:
     yaml.safe_load((CHART / "Chart.yaml").read_text())
     for path in (CHART / "files" / "crds").glob("*.yaml"):
-        assert yaml.safe_load(path.read_text())["kind"] == "CustomResourceDefinition"
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["kind"] == "CustomResourceDefinition", path
 
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
@@ -94,7 +96,10 @@ def _kinds(files: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, A
 def test_defaults_install_everything() -> None:
     kinds = _kinds(_render({}))
     crds = {d["metadata"]["name"]: d for d in kinds["CustomResourceDefinition"]}
-    for manifest in crd_manifests().values():
+    assert len(crds) == len(kinds["CustomResourceDefinition"])  # each CRD once (kopf's included)
+    generated = [manifest for manifests in crd_files().values() for manifest in manifests]
+    assert sorted(crds) == sorted(m["metadata"]["name"] for m in generated)
+    for manifest in generated:
         assert crds[manifest["metadata"]["name"]] == manifest  # the chart ships the generated CRDs
     assert {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"} <= set(crds)
     deployments = {d["metadata"]["name"]: d for d in kinds["Deployment"]}
@@ -137,9 +142,27 @@ def test_external_redis_and_no_crds() -> None:
     assert "--redis-url=redis://redis.infra:6379/1" in router["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
-def test_helm_lint_finds_no_errors() -> None:
-    report = helm.lint(str(CHART))
-    assert report["errors"] == [] and all(m["severity"] < 3 for m in report["messages"]), report
+@pytest.mark.parametrize("values", sorted(VALUE_SETS))
+def test_helm_lint_strict_finds_nothing_but_the_icon(values: str) -> None:
+    """`helm lint --strict --kube-version v1.36.0` (Helm's own lint package): warnings fail too."""
+    report = helm.lint(str(CHART), VALUE_SETS[values], strict=True, kube_version="v1.36.0")
+    assert report["errors"] == [], report
+    assert [m["error"] for m in report["messages"]] == ["icon is recommended"], report
+
+
+def test_helm_lint_refuses_values_the_schema_refuses() -> None:
+    report = helm.lint(str(CHART), {"routr": {}}, strict=True)
+    assert any("routr" in e for e in report["errors"]), report
+
+
+def test_every_crd_survives_helm_uninstall(rendered) -> None:
+    """CRDs under templates/ (so `helm upgrade` updates them), each with the keep policy (so `helm
+    uninstall` does not delete them and with them every AdapterPool and LoRADeployment)."""
+    _, files = rendered
+    crds = [d for docs in files.values() for d in docs if d["kind"] == "CustomResourceDefinition"]
+    for crd in crds:
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep", crd["metadata"]["name"]
+    assert not helm.Chart.load(str(CHART)).crds  # nothing in the chart's crds/ folder (never upgraded)
 
 
 def _known_metrics() -> set[str]:

@@ -18,7 +18,8 @@ def test_crds_generate_then_check(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["crds", "generate", "--check", "--out", str(tmp_path)]) == 2  # nothing there yet
     assert "out of date" in capsys.readouterr().err
     assert main(["crds", "generate", "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapterpools.yaml", "loradeployments.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapterpools.yaml", "kopf-peerings.yaml",
+                                                          "loradeployments.yaml"]
     assert main(["crds", "generate", "--check", "--out", str(tmp_path)]) == 0
 
 
