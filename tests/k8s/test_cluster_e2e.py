@@ -97,6 +97,9 @@ def start_operator(namespace: str, redis_url: str, tmp_path: Path) -> Iterator[C
         return op
 
     yield start
+    if started:  # what carries the operator's finalizers goes while the operator still runs
+        kubectl("delete", "loradeployments.loraplex.io,adapterpools.loraplex.io", "--all", "--timeout=90s",
+                namespace=namespace, check=False)
     for op in started:
         log = op.stop()
         assert "Traceback" not in log, log[-4000:]
@@ -295,3 +298,35 @@ def test_deleting_the_namespace_completes(namespace: str, operator: Operator, ag
     agents().pods_ready()
     _wait("Ready", lambda: all(phase(namespace, f"a{i}")[0] == "Ready" for i in range(5)))
     kubectl("delete", "namespace", namespace, "--timeout=120s")
+
+
+def test_helm_install_upgrade_and_uninstall_keep_what_users_made(namespace: str) -> None:
+    """The chart with Helm's own library (helm-python-sdk): install takes over the CRDs (`kubectl
+    apply` installed them for the other tests; Helm adopts objects labelled for its release, as a
+    user moving to the chart would), upgrade updates them, uninstall leaves the CRDs and the users'
+    objects in place."""
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's library) is not installed")
+    crds = [f"{p}.loraplex.io" for p in ("adapterpools", "loradeployments")] + \
+        [f"{p}.kopf.dev" for p in ("clusterkopfpeerings", "kopfpeerings")]
+    release = f"lp-{namespace[-6:]}"
+    for crd in crds:
+        kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
+        kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={release}",
+                f"meta.helm.sh/release-namespace={namespace}")
+    chart = str(ROOT / "helm" / "loraplex")
+    with helm.Config(kubeconfig_path=os.environ["KUBECONFIG"], namespace=namespace) as cfg:
+        installed = cfg.install(chart, release, {}, namespace=namespace, timeout=120)
+        assert installed["status"] == "deployed"
+        for kind in ("deployment", "service", "configmap"):
+            assert kubectl("get", kind, "-l", f"app.kubernetes.io/instance={release}", "-o", "name",
+                           namespace=namespace).stdout.strip(), kind
+        apply(namespace, pool(), adapter("a"))
+        upgraded = cfg.upgrade(chart, release, {"router": {"replicas": 1}}, namespace=namespace, timeout=120)
+        assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
+        cfg.uninstall(release, timeout=120)
+    for crd in crds:
+        kept = json.loads(kubectl("get", "crd", crd, "-o", "json").stdout)
+        assert "deletionTimestamp" not in kept["metadata"]
+    assert kubectl("get", "apool", "tiny", namespace=namespace).returncode == 0
+    assert kubectl("get", "lora", "a", namespace=namespace).returncode == 0
+    assert not kubectl("get", "deployment", "-o", "name", namespace=namespace).stdout.strip()
