@@ -250,6 +250,8 @@ class AdapterPoolStatus(CrdModel):
     replicas: int = Field(0, ge=0, description="Servers the StatefulSet is asked to run")
     ready_replicas: int = Field(0, ge=0)
     selector: str = Field("", description="Label selector of the servers (for the scale subresource)")
+    applied_hash: str = Field("", description="Digest of the objects last applied for the pool (an unchanged "
+                              "pool is not applied again when the operator restarts)")
     routing_version: int | None = Field(None, ge=0)
     required_servers: int | None = Field(None, ge=0, description="Servers the workload needs, by the estimate")
     adapters: int = Field(0, ge=0, description="Adapters in the routing table")

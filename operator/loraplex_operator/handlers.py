@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import kopf
@@ -78,6 +79,12 @@ def ready_pods_by_pool(labels: kopf.Labels, status: kopf.Status, name: str, name
     return {(namespace, labels[POOL_LABEL]): name} if ready else None
 
 
+@kopf.index("statefulsets.apps", labels={POOL_LABEL: kopf.PRESENT})
+def statefulsets_by_pool(labels: kopf.Labels, name: str, namespace: str, **_: Any) -> dict[tuple[str, str], str]:
+    """The pools' StatefulSets, so that one deleted by hand is made again without polling for it."""
+    return {(namespace, labels[POOL_LABEL]): name}
+
+
 def _ready_pods(index: kopf.Index, namespace: str, pool: str) -> frozenset[str]:
     return frozenset(index.get((namespace, pool), []))
 
@@ -89,14 +96,15 @@ def pool_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: st
                  patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     deps: Deps = memo.deps
     try:
-        replicas = apply_pool(_pool_ref(meta, name, namespace), _spec(AdapterPoolSpec, spec), deps)
+        replicas, applied = apply_pool(_pool_ref(meta, name, namespace), _spec(AdapterPoolSpec, spec), deps,
+                                       status.get("appliedHash", ""))
     except InvalidPool as exc:  # the pool's timer writes the Failed status and its event
         if exc.reason == APPLY_FAILED:
             raise kopf.TemporaryError(exc.message, delay=60) from exc
         return
-    if status.get("replicas") != replicas or status.get("selector") != selector_string(name):
-        patch.status["replicas"] = replicas
-        patch.status["selector"] = selector_string(name)
+    wanted = {"replicas": replicas, "selector": selector_string(name), "appliedHash": applied}
+    if any(status.get(k) != v for k, v in wanted.items()):
+        patch.status.update(wanted)
 
 
 @kopf.on.delete(*POOLS, retries=6)
@@ -122,12 +130,16 @@ def adapters_by_pool(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name
 @kopf.timer(*POOLS, interval=TICK_SECONDS, initial_delay=1.0)
 def pool_timer(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
                patch: kopf.Patch, memo: kopf.Memo, adapters_by_pool: kopf.Index, ready_pods_by_pool: kopf.Index,
-               **_: Any) -> None:
+               statefulsets_by_pool: kopf.Index, **_: Any) -> None:
     deps: Deps = memo.deps
     ref = _pool_ref(meta, name, namespace)
+    parsed = _spec(AdapterPoolSpec, spec)
+    if (namespace, name) not in statefulsets_by_pool and status.get("appliedHash"):
+        with suppress(InvalidPool):  # its failure is the tick's to report
+            apply_pool(ref, parsed, deps)  # someone deleted the StatefulSet: make everything again
     deployments = list(adapters_by_pool.get((namespace, name), []))
     previous = _parse(AdapterPoolStatus, status)
-    result = pool_tick(ref, meta.get("generation"), _spec(AdapterPoolSpec, spec), previous, deployments,
+    result = pool_tick(ref, meta.get("generation"), parsed, previous, deployments,
                        _ready_pods(ready_pods_by_pool, namespace, name), deps)
     if previous is None or result.status.to_k8s() != previous.to_k8s():
         patch.status.update(result.status.to_patch())

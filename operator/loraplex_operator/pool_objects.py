@@ -111,7 +111,7 @@ def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig)
     return data
 
 
-def config_hash(data: dict[str, str]) -> str:
+def config_hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -43,6 +43,7 @@ from loraplex_operator.pool_objects import (
     VOLUME_CONFLICT,
     PoolRef,
     build_statefulset,
+    config_hash,
     pool_objects,
     volume_conflicts,
 )
@@ -99,15 +100,20 @@ def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
     return (VOLUME_CONFLICT, conflicts) if conflicts else ("", "")
 
 
-def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps) -> int:
-    """Creates or updates everything the pool owns; returns the replicas asked of the StatefulSet.
-    Raises InvalidPool, before applying anything, when the spec cannot be served, or with the API
-    server's answer when it refuses an object."""
+def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps, applied_hash: str = "") -> tuple[int, str]:
+    """Creates or updates everything the pool owns, unless `applied_hash` says exactly these objects
+    were applied already (an operator restart resumes every pool); returns the replicas asked of the
+    StatefulSet and the objects' digest. Raises InvalidPool, before applying anything, when the spec
+    cannot be served, or with the API server's answer when it refuses an object."""
     reason, message = spec_failure(spec)
     if reason:
         raise InvalidPool(reason, message)
     replicas = spec.servers.desired_replicas
-    for obj in pool_objects(_pool_ref(ref), spec, deps.config, replicas):
+    objects = pool_objects(_pool_ref(ref), spec, deps.config, replicas)
+    digest = config_hash(objects)
+    if digest == applied_hash and ref.name not in deps.apply_failures:
+        return replicas, digest
+    for obj in objects:
         try:
             deps.kube.apply(obj)
         except KubeError as exc:
@@ -115,7 +121,7 @@ def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps) -> int:
             deps.apply_failures[ref.name] = failure
             raise InvalidPool(*failure) from exc
     deps.apply_failures.pop(ref.name, None)
-    return replicas
+    return replicas, digest
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,19 @@ def _holders(servers: Sequence[ServerRecord]) -> dict[str, frozenset[str]]:
     return {name: frozenset(ids) for name, ids in held.items()}
 
 
+def _observed(d: DeploymentInfo, demand: DemandWindows | None) -> tuple[float | None, float]:
+    """(tokens/s, window) for the status, or (None, 0) for no news: the demand counts for an adapter
+    the routers counted in the windows just read, and drops to 0 once they stop counting it; one
+    never counted keeps no observedDemand (no write of a zero for every adapter of the pool)."""
+    if demand is None:
+        return None, 0.0
+    window = demand.window_s * DEFAULT_WINDOWS
+    if d.name in demand.rates:
+        return demand.mean_tps(d.name), window
+    seen = d.status.observed_demand if d.status else None
+    return (0.0, window) if seen is not None and seen.tokens_per_second > 0 else (None, 0.0)
+
+
 def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo],
                          records: Mapping[str, AdapterRecord], table: RoutingTable | None,
                          servers: Sequence[ServerRecord], demand: DemandWindows | None, deps: Deps) -> None:
@@ -243,7 +262,7 @@ def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Seq
         if prev is None or not _handled(d) or prev.reason not in TICK_REASONS:
             continue
         record = records.get(d.name)
-        tps = (demand.mean_tps(d.name), demand.window_s * DEFAULT_WINDOWS) if demand else (None, 0.0)
+        tps = _observed(d, demand)
         inputs = (d.resource_version, spec.engine.max_lora_rank, record and (record.digest, record.rank),
                   table.entries.get(d.name) if table else None, holders.get(d.name), top_rank, tps)
         if deps.refreshed.get(d.uid) == inputs:

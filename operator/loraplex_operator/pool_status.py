@@ -99,7 +99,7 @@ def pool_status(view: PoolView, previous: AdapterPoolStatus | None, last_placeme
         conditions.append(set_condition(old, PLANNED, *view.planned, now, gen))
     return AdapterPoolStatus(
         phase=phase, replicas=view.replicas, ready_replicas=view.ready_replicas,
-        selector=names.selector_string(view.name),
+        selector=names.selector_string(view.name), applied_hash=previous.applied_hash if previous else "",
         routing_version=view.table.version if view.table else None,
         required_servers=view.required_servers, adapters=len(view.table.entries) if view.table else 0,
         servers=_servers(view), last_placement_time=rfc3339(last_placement) if last_placement else None,

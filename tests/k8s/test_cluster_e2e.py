@@ -211,6 +211,15 @@ def test_standalone_reconciles(namespace: str, operator: Operator) -> None:
     _wait("the StatefulSet", lambda: statefulset(namespace))
 
 
+def test_a_statefulset_deleted_by_hand_comes_back(namespace: str, operator: Operator) -> None:
+    apply(namespace, pool())
+    first = _wait("the StatefulSet", lambda: statefulset(namespace))
+    kubectl("delete", "statefulset", "tiny", "--wait=true", namespace=namespace)
+    again = _wait("it again", lambda: (s := statefulset(namespace)) and s["metadata"]["uid"] != first["metadata"]["uid"]
+                  and s)
+    assert again["spec"]["replicas"] == 2
+
+
 def test_both_example_pools_get_their_statefulset(namespace: str, operator: Operator) -> None:
     for example in ("adapterpool.yaml", "adapterpool-planner.yaml"):
         kubectl("apply", "-f", str(ROOT / "examples" / example), namespace=namespace)

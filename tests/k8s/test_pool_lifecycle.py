@@ -251,3 +251,34 @@ def test_an_object_the_api_server_refuses_fails_the_pool_without_a_traceback(wor
     world.call(handlers.pool_changed, "AdapterPool", "bad")
     world.tick("bad")
     assert world.status("AdapterPool", "bad")["phase"] == "Pending"
+
+
+def test_only_adapters_the_routers_counted_get_a_demand_written(world: World) -> None:
+    _settle(world, 10)
+    assert all("observedDemand" not in world.status("LoRADeployment", f"a{i}") for i in range(10))
+    world.kube.status_patches.clear()
+    store = world.stores["tiny"]
+    for _ in range(7):  # the routers count a3 for more than the windows the placement reads
+        store.add_demand({"a3": 1000}, world.clock.now())
+        world.clock.advance(10)
+    _serve(world)
+    world.tick("tiny")
+    assert world.kube.status_patches == ["a3"]
+    assert world.status("LoRADeployment", "a3")["observedDemand"]["tokensPerSecond"] == 100.0
+    world.kube.status_patches.clear()
+    world.clock.advance(700)  # no traffic for longer than every window
+    _serve(world)
+    world.tick("tiny")
+    assert world.kube.status_patches == ["a3"]
+    assert world.status("LoRADeployment", "a3")["observedDemand"]["tokensPerSecond"] == 0.0
+
+
+def test_a_statefulset_deleted_by_hand_is_made_again(world: World) -> None:
+    world.tick("tiny")
+    world.kube.applied.clear()
+    world.tick("tiny")
+    assert world.kube.applied == []  # the pool's objects are not re-applied at every tick
+    del world.kube.objects[("StatefulSet", NS, "tiny")]
+    world.clock.advance(5)
+    world.tick("tiny")
+    assert [o["kind"] for o in world.kube.applied] == ["ConfigMap", "Service", "PodDisruptionBudget", "StatefulSet"]

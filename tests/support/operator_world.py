@@ -105,7 +105,8 @@ class World:
         body = kopf.Body(copy.deepcopy(obj))
         patch = kopf.Patch()
         indexes = {"adapters_by_pool": self.index(), "pools_by_name": self.pools_index(),
-                   "ready_pods_by_pool": self.pods_index(), **extra}
+                   "ready_pods_by_pool": self.pods_index(), "statefulsets_by_pool": self.statefulsets_index(),
+                   **extra}
         try:
             handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
                     patch=patch, memo=self.memo, logger=None, **indexes)
@@ -133,6 +134,9 @@ class World:
                 for key, value in handlers.pools_by_name(spec=body.spec, name=name, namespace=NS).items():
                     out.setdefault(key, []).append(value)
         return out
+
+    def statefulsets_index(self) -> dict[tuple[str, str], list[str]]:
+        return {(ns, name): [name] for (kind, ns, name) in self.kube.objects if kind == "StatefulSet"}
 
     def pods_index(self) -> dict[tuple[str, str], list[str]]:
         return {(NS, pool): sorted(pods) for pool, pods in self.ready_pods.items() if pods}

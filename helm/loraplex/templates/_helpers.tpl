@@ -59,7 +59,7 @@ capabilities:
 # What a pool owns (server-side apply creates and updates through patch).
 - apiGroups: [apps]
   resources: [statefulsets]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, create, patch]
