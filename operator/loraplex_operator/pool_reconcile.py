@@ -52,6 +52,7 @@ from loraplex_operator.pool_sizing import INVALID_SIZING, planner_sizing, size_w
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
 from loraplex_operator.replica_bounds import replica_bounds
 from loraplex_operator.scaling import ScaleDecision, decide_replicas, short_of_capacity, with_shortfall
+from loraplex_operator.status_writes import StatusWrite, write_statuses
 
 
 @dataclass(frozen=True)
@@ -202,27 +203,16 @@ def _reregister(ref: ObjectRef, pool: AdapterPoolSpec, deployments: Sequence[Dep
     due = [d for d in deployments if _handled(d) and d.name not in records and d.status is not None
            and (d.status.reason in _REREGISTER or d.status.reason in TICK_REASONS)
            and not (d.status.reason == RANK_TOO_LARGE and rank_too_large(d.status.rank or 0, pool))]
+    writes = []
     for d in due[:MAX_REREGISTER_PER_TICK]:
         target = ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid)
         try:
             outcome = register_adapter(target, d.generation, d.spec, d.status, pool, deps)
         except RetryLater as retry:
             outcome = retry.outcome
-        write_status(deps, target, d.status, *outcome)
-    return min(len(due), MAX_REREGISTER_PER_TICK)
-
-
-def write_status(deps: Deps, target: ObjectRef, previous: LoRADeploymentStatus | None,
-                 status: LoRADeploymentStatus, events: Sequence[Event]) -> None:
-    """Patches the status (and posts its events) unless the object already has it, or this operator
-    wrote exactly this status last (the watch has not brought it back yet)."""
-    new = status.to_k8s()
-    if (previous is not None and previous.to_k8s() == new) or deps.written.get(target.uid) == new:
-        return
-    deps.kube.patch_status(target, status.to_patch())
-    deps.written[target.uid] = new
-    for event in events:
-        deps.events.post(target, event)
+        writes.append(StatusWrite(target, d.status, *outcome))
+    write_statuses(deps, writes)
+    return len(writes)
 
 
 def _holders(servers: Sequence[ServerRecord]) -> dict[str, frozenset[str]]:
@@ -257,6 +247,7 @@ def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Seq
     a tick at rest costs a few dict lookups per adapter."""
     now = deps.clock.now()
     holders, top_rank = _holders(servers), max((s.max_rank for s in servers), default=0)
+    writes = []
     for d in deployments:
         prev = d.status
         if prev is None or not _handled(d) or prev.reason not in TICK_REASONS:
@@ -271,11 +262,13 @@ def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Seq
         target = ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid)
         too_large = rank_too_large(prev.rank or 0, spec)
         if too_large:
-            write_status(deps, target, prev, *blocked_status("Failed", RANK_TOO_LARGE, too_large, d.generation,
-                                                            prev, now, prev.rank, prev.digest))
-            continue
-        view = adapter_view(d.name, d.spec, d.generation, record, table, servers, tps)
-        write_status(deps, target, prev, *adapter_status(view, prev, now))
+            outcome = blocked_status("Failed", RANK_TOO_LARGE, too_large, d.generation, prev, now, prev.rank,
+                                     prev.digest)
+        else:
+            outcome = adapter_status(adapter_view(d.name, d.spec, d.generation, record, table, servers, tps),
+                                     prev, now)
+        writes.append(StatusWrite(target, prev, *outcome))
+    write_statuses(deps, writes)
 
 
 def _tick_events(previous: AdapterPoolStatus | None, status: AdapterPoolStatus, table: RoutingTable | None
@@ -374,7 +367,9 @@ def forget_pool(pool: str, namespace: str, deployments: Sequence[DeploymentInfo]
     deps.forget(pool)
     deps.apply_failures.pop(pool, None)
     now = deps.clock.now()
+    writes = []
     for d in deployments:
         target = ObjectRef(API_VERSION, "LoRADeployment", namespace, d.name, d.uid)
         view = AdapterView(d.name, pool, d.generation, False, None, None, ())
-        write_status(deps, target, d.status, *adapter_status(view, d.status, now))
+        writes.append(StatusWrite(target, d.status, *adapter_status(view, d.status, now)))
+    write_statuses(deps, writes)
