@@ -6,7 +6,7 @@ redis-server, the operator as a user starts it (`loraplex operator --standalone 
 test agents (threads of this process: each waits for its StatefulSet pod, marks it Ready through the
 pod's status subresource, since there is no kubelet, and heartbeats a ServerRecord that reports the
 adapters the current routing table assigns to it). Then N LoRADeployments are created with one
-`kubectl create -f`, and single and bulk changes, a restart of the operator and a quiet minute follow.
+`kubectl create -f`, and single and bulk changes, a quiet minute and a restart of the operator follow.
 
 How the operator is told apart:
 - API requests: the operator runs with its own ServiceAccount token (a kubeconfig written for it,
@@ -543,6 +543,14 @@ class OperatorProcess:
     def log_position(self) -> int:
         return self.log_path.stat().st_size if self.log_path.exists() else 0
 
+    def log_count(self, text: str, start: int = 0) -> int:
+        """How often `text` occurs in the log after byte `start`."""
+        if not self.log_path.exists():
+            return 0
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace").count(text)
+
     def log_problems(self, start: int = 0) -> dict[str, Any]:
         if not self.log_path.exists():
             return {"error_lines": 0, "tracebacks": 0, "top_errors": {}}
@@ -976,13 +984,6 @@ class Bench:
         ph.values["kubectl_s"] = _r(self.apply_changes(changed, 30.0), 2)
         self.settle(ph, time.time(), self.all_ready(changed, gens), f"{len(changed)} changed adapters Ready")
 
-        ph = self.begin("restart")
-        self.operator.stop()
-        t_start = time.time()
-        self.operator.start()
-        self.wait_started(t_start)
-        self.settle(ph, t_start, self.all_ready(self.expected), "every adapter Ready after the restart")
-
         ph = self.begin("at rest")
         time.sleep(self.args.rest_seconds)
         row = self.end(ph)
@@ -991,6 +992,17 @@ class Bench:
         row["api_writes_per_min"] = _r(row["api"]["writes"] / minutes)
         row["redis_per_min"] = _r(row["redis_commands"]["total"] / minutes)
         _log(f"  at rest: {row['api_per_min']} API requests/min, {row['redis_per_min']} Redis commands/min")
+
+        ph = self.begin("restart")
+        self.operator.stop()
+        t_start, position = time.time(), self.operator.log_position()
+        self.operator.start()
+        self.wait_started(t_start)
+        # kopf resumes every object (each LoRADeployment and the pool) whether or not it writes.
+        resumed = len(self.expected) + 1
+        self.settle(ph, t_start, lambda: self.all_ready(self.expected)() and
+                    self.operator.log_count("Resuming is processed", position) >= resumed,
+                    "every object resumed and every adapter Ready after the restart")
 
         self.results["redis_at_end"] = self.pool_keys()
         self.results["adapter_phases_ever"] = self.watcher.ever_counts()
