@@ -33,11 +33,13 @@ def write_statuses(deps: Deps, writes: Sequence[StatusWrite]) -> None:
     operator wrote exactly this status last (the watch has not brought it back yet)."""
     due = [w for w in writes if _changed(deps, w)]
     if len(due) <= 1:
-        for w in due:
-            _write(deps, w)
-        return
-    with ThreadPoolExecutor(max_workers=min(CONCURRENT_WRITES, len(due)), thread_name_prefix="status") as pool:
-        list(pool.map(lambda w: _write(deps, w), due))
+        written = [_write(deps, w) for w in due]
+    else:
+        with ThreadPoolExecutor(max_workers=min(CONCURRENT_WRITES, len(due)), thread_name_prefix="status") as pool:
+            written = list(pool.map(lambda w: _write(deps, w), due))
+    for w, ok in zip(due, written, strict=True):
+        for event in w.events if ok else ():  # from this thread: kopf's event queue lives in its context
+            deps.events.post(w.target, event)
 
 
 def _changed(deps: Deps, w: StatusWrite) -> bool:
@@ -45,14 +47,13 @@ def _changed(deps: Deps, w: StatusWrite) -> bool:
     return not ((w.previous is not None and w.previous.to_k8s() == new) or deps.written.get(w.target.uid) == new)
 
 
-def _write(deps: Deps, w: StatusWrite) -> None:
+def _write(deps: Deps, w: StatusWrite) -> bool:
     try:
         deps.kube.patch_status(w.target, w.status.to_patch())
     except KubeError as exc:
         log.warning("status of %s/%s not written (retried at the next tick): %s", w.target.namespace,
                     w.target.name, exc)
         deps.refreshed.pop(w.target.uid, None)
-        return
+        return False
     deps.written[w.target.uid] = w.status.to_k8s()
-    for event in w.events:
-        deps.events.post(w.target, event)
+    return True

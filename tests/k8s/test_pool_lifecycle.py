@@ -282,3 +282,24 @@ def test_a_statefulset_deleted_by_hand_is_made_again(world: World) -> None:
     world.clock.advance(5)
     world.tick("tiny")
     assert [o["kind"] for o in world.kube.applied] == ["ConfigMap", "Service", "PodDisruptionBudget", "StatefulSet"]
+
+
+def test_a_refused_status_write_is_retried_at_the_next_tick(world: World) -> None:
+    _serve(world, holds_all=False)
+    _adapter(world, "x")
+    original, refused = world.kube.patch_status, []
+
+    def refuse_once(ref: Any, status: dict[str, Any]) -> None:
+        if not refused:
+            refused.append(ref.name)
+            raise KubeError(500, "etcdserver: request timed out")
+        original(ref, status)
+
+    world.kube.patch_status = refuse_once  # type: ignore[method-assign]
+    _serve(world)
+    world.tick("tiny")  # the tick goes on; the status is not written
+    assert refused == ["x"] and _phase(world, "x") == ("Loading", "Fetching")
+    world.clock.advance(5)
+    _serve(world)
+    world.tick("tiny")
+    assert _phase(world, "x") == ("Ready", "Serving")

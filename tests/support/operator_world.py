@@ -5,6 +5,7 @@ server would. Shared by the tests of tests/k8s."""
 
 from __future__ import annotations
 
+import contextvars
 import copy
 from typing import Any
 
@@ -65,11 +66,18 @@ class RecordingKube:
         bump(obj)
 
 
+# kopf posts events through a queue it finds in a context variable of the handler's context: a
+# thread the handler starts does not inherit it (kopf.event raises LookupError there), and neither
+# does this recorder.
+_HANDLER_CONTEXT: contextvars.ContextVar[str] = contextvars.ContextVar("handler")
+
+
 class RecordingEvents:
     def __init__(self) -> None:
         self.posted: list[tuple[str, Event]] = []
 
     def post(self, ref: ObjectRef, event: Event) -> None:
+        _HANDLER_CONTEXT.get()  # LookupError outside a handler's context, as with kopf.event
         self.posted.append((ref.name, event))
 
     def reasons(self, name: str) -> list[str]:
@@ -107,10 +115,12 @@ class World:
         indexes = {"adapters_by_pool": self.index(), "pools_by_name": self.pools_index(),
                    "ready_pods_by_pool": self.pods_index(), "statefulsets_by_pool": self.statefulsets_index(),
                    **extra}
+        token = _HANDLER_CONTEXT.set(name)
         try:
             handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
                     patch=patch, memo=self.memo, logger=None, **indexes)
         finally:
+            _HANDLER_CONTEXT.reset(token)
             if dict(patch):  # kopf applies the patch even when the handler asks for a retry
                 merge(obj, dict(patch))
                 bump(obj)
