@@ -917,8 +917,10 @@ class Bench:
             ph.values["ready_s"] = _r(t_ready - t_ref, 2) if t_ready else None
         t_quiet = self.wait_quiet(t_ref)
         ph.values["quiet_s"] = _r(t_quiet - t_ref, 2) if t_quiet else None
-        end = (t_quiet + self.args.quiet_seconds) if t_quiet else time.time()
-        self.end(ph, end)
+        # The phase's counters run until it is both done and quiet (a restart that writes nothing
+        # is quiet at once, and done only when every object is resumed).
+        done = max(t for t in (t_ready, t_quiet, t_ref) if t)
+        self.end(ph, done + self.args.quiet_seconds)
 
     def apply_changes(self, names: list[str], tps: float) -> float:
         docs = [adapter_doc(n, self.pool, RANKS[self.ranks[n]], tps) for n in names]
