@@ -30,6 +30,12 @@ class AdapterResidency(Protocol):
     def release(self, adapter: AdapterId) -> None:
         """One request of `adapter` left the running set."""
 
+    def can_acquire(self, adapter: AdapterId) -> bool:
+        """Whether `acquire(adapter)` would succeed now; changes nothing."""
+
+    def pins(self, adapter: AdapterId) -> int:
+        """Running requests that hold `adapter`'s slot."""
+
     def slot_of(self, adapter: AdapterId) -> int | None: ...
 
     def retire(self, adapter: AdapterId) -> int | None:
@@ -71,6 +77,11 @@ class LruResidency:
         if pins < 0:
             raise ValueError(f"adapter {adapter} released more often than acquired")
         self._pins[adapter] = pins
+
+    def can_acquire(self, adapter: AdapterId) -> bool:
+        if adapter in self._slots or self._free_slots:
+            return True
+        return any(not self._pins.get(a) for a in self._slots)
 
     def slot_of(self, adapter: AdapterId) -> int | None:
         return self._slots.get(adapter)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget; longer prompts are chunked
     max_loras: int = 8  # adapters resident on the device at once
     max_lora_rank: int = 64
-    scheduler: str = "fifo"
+    scheduler: str = "fifo"  # fifo, sjf, vtc or chameleon (loraplex.engine.schedulers)
+    scheduler_options: dict[str, Any] = field(default_factory=dict)  # the scheduler's knobs by name
     residency: str = "lru"
 
     def __post_init__(self) -> None:

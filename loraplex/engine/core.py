@@ -12,7 +12,8 @@ from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.page_pool import PagePool
 from loraplex.engine.request import Request
-from loraplex.engine.scheduler import make_scheduler
+from loraplex.engine.scheduler_stats import SchedulerStats
+from loraplex.engine.schedulers import make_scheduler
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import AdapterError, ConflictError, InvalidRequestError, NotFoundError
 
@@ -111,6 +112,10 @@ class EngineCore:
             if o.num_output_tokens == 1:
                 self._prompt_tokens += o.num_prompt_tokens
         return outputs
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler's queues, quotas, bypasses, predictor error and per-adapter service."""
+        return self.scheduler.stats()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -1,18 +1,22 @@
-"""The scheduler seam and the FIFO scheduler.
+"""The scheduler seam, the mechanics every policy shares, and the FIFO scheduler.
 
 There are no prefill or decode phases, only a per-step token budget: every request is given tokens
 so that its computed tokens catch up with its known tokens (prompt chunks first, then one token per
 decode). Running requests go first, oldest first; when KV blocks run out the newest running request
-is preempted and recomputed later. Waiting requests are admitted in arrival order while the budget,
-the batch size, memory and adapter slots allow; a request whose adapter cannot get a slot is skipped
-for this step, keeping its place in the queue.
+is preempted and recomputed later. `BatchScheduler` does all of that; a policy only decides which
+waiting requests to admit (`_schedule_waiting`) and keeps its own waiting structure. FIFO admits in
+arrival order while the budget, the batch size, memory and adapter slots allow; a request whose
+adapter cannot get a slot is skipped for this step, keeping its place in the queue.
+The other policies (`sjf`, `vtc`, `chameleon`) live one per module; `schedulers.py` names them.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
-from typing import Protocol
+import enum
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, fields
+from typing import Any, Protocol
 
 from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.clock import Clock
@@ -27,6 +31,7 @@ from loraplex.engine.messages import (
     SchedulerOutput,
 )
 from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.scheduler_stats import QueueStats, SchedulerStats
 from loraplex.engine.stopping import finish_reason
 from loraplex.spec.adapter import AdapterId
 
@@ -48,6 +53,9 @@ class Scheduler(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    def stats(self) -> SchedulerStats:
+        """A snapshot for metrics; cheap enough to take every second, not every step."""
+
     @property
     def num_waiting(self) -> int: ...
 
@@ -55,7 +63,45 @@ class Scheduler(Protocol):
     def num_running(self) -> int: ...
 
 
-class FifoScheduler:
+class Admit(enum.Enum):
+    """What happened when the scheduler tried to start one waiting request."""
+
+    OK = "ok"  # running now; its first chunk is the last one in the step's output
+    NO_SLOT = "no_slot"  # its adapter cannot get device memory now
+    NO_KV = "no_kv"  # too few KV blocks for its first chunk
+
+
+def adapter_key(adapter: AdapterId | None) -> str:
+    """The name metrics use for an adapter; '' is the base model."""
+    return adapter.name if adapter is not None else ""
+
+
+def options_for(options: Mapping[str, Any], *classes: type) -> tuple:
+    """Split a scheduler's flat `scheduler_options` over its option dataclasses. Strings (from a
+    command line) are converted to the type of the field's default; a name no class knows is an error."""
+    known = {f.name: (cls, f) for cls in classes for f in fields(cls)}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown scheduler option(s) {unknown}; this scheduler takes {sorted(known) or 'none'}")
+    values: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
+    for name, value in options.items():
+        cls, f = known[name]
+        if isinstance(value, str) and f.default is not MISSING and not isinstance(f.default, str):
+            try:
+                value = type(f.default)(value)
+            except ValueError:
+                raise ValueError(f"scheduler option {name}={value!r} is not a {type(f.default).__name__}") from None
+        values[cls][name] = value
+    return tuple(cls(**values[cls]) for cls in classes)
+
+
+class BatchScheduler:
+    """Running requests, preemption, KV blocks, adapter slots and finishing: what every policy
+    shares. A subclass owns the waiting requests: `_enqueue`, `_requeue`, `_remove_waiting`,
+    `num_waiting` and `_schedule_waiting`, which admits through `_admit`."""
+
+    policy = "base"
+
     def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
                  rank_of: RankOf, clock: Clock) -> None:
         self.config = config
@@ -63,7 +109,6 @@ class FifoScheduler:
         self.residency = residency
         self.rank_of = rank_of
         self.clock = clock
-        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -71,26 +116,46 @@ class FifoScheduler:
         self._retiring: set[AdapterId] = set()
         self._evictions: list[int] = []
         self._finished: list[str] = []
+        self.adapter_service: defaultdict[str, int] = defaultdict(int)  # adapter -> tokens of finished requests
 
-    # ---- public API -------------------------------------------------------------------------
+    # ---- the waiting requests: a policy's own structure ----------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        raise NotImplementedError
+
+    def _enqueue(self, request: Request) -> None:
+        """A new request arrived."""
+        raise NotImplementedError
+
+    def _requeue(self, request: Request) -> None:
+        """A running request was preempted; it waits again (recomputed from scratch)."""
+        raise NotImplementedError
+
+    def _remove_waiting(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        raise NotImplementedError
+
+    def _on_finished(self, request: Request) -> None:
+        """A request left for good (finished or aborted): policies learn from it here."""
+
+    # ---- public API -------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.running) or self.num_waiting > 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -99,7 +164,7 @@ class FifoScheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._remove_waiting(request)
         self._finish(request, FinishReason.ABORT)
         return request
 
@@ -113,9 +178,13 @@ class FifoScheduler:
                               finished_request_ids=self._finished, preempted_request_ids=[])
         self._evictions, self._finished = [], []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if self.waiting and not out.preempted_request_ids:
+        if not out.preempted_request_ids and self.num_waiting:
             self._schedule_waiting(out, budget)
         return out
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(policy=self.policy, queues=[self._queue_stats(0, None, self._waiting_requests())],
+                              num_preemptions=self.num_preemptions, adapter_service=dict(self.adapter_service))
 
     def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
         # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
@@ -176,26 +245,21 @@ class FifoScheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.popleft()
-            if not self._acquire_slot(request, out):
-                skipped.append(request)
-                continue
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate(request, num_tokens):
-                self._release_slot(request)
-                self.waiting.appendleft(request)
-                break
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock.now()
-            self.running.append(request)
-            out.chunks.append(self._chunk(request, request.num_computed_tokens, num_tokens,
-                                          len(request.prompt_token_ids), len(request.output_token_ids)))
-            budget -= num_tokens
-        self.waiting.extendleft(reversed(skipped))
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> Admit:
+        """Start `request` with a first chunk of at most `budget` tokens, or take nothing."""
+        if not self._acquire_slot(request, out):
+            return Admit.NO_SLOT
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.kv.allocate(request, num_tokens):
+            self._release_slot(request)
+            return Admit.NO_KV
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock.now()
+        self.running.append(request)
+        out.chunks.append(self._chunk(request, request.num_computed_tokens, num_tokens,
+                                      len(request.prompt_token_ids), len(request.output_token_ids)))
+        return Admit.OK
 
     def _chunk(self, request: Request, start: int, num_tokens: int, num_prompt: int,
                num_output: int) -> ScheduledChunk:
@@ -211,14 +275,18 @@ class FifoScheduler:
             start + num_tokens == num_prompt + num_output, request.sampling, num_output)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        self._stop_running(request, out)
+
+    def _stop_running(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the batch, drop its KV (recomputed later) and let it wait again."""
         self.running.remove(request)
         self.kv.free(request)
         self._release_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue(request)
         out.preempted_request_ids.append(request.request_id)
 
     # ---- adapters -------------------------------------------------------------------------
@@ -261,15 +329,57 @@ class FifoScheduler:
         request.finished_time = self.clock.now()
         del self.requests[request.request_id]
         self._finished.append(request.request_id)
+        if request.first_scheduled_time is not None:
+            self.adapter_service[adapter_key(request.adapter)] += request.num_tokens
+        self._on_finished(request)
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    def _waiting_requests(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.status is not RequestStatus.RUNNING]
+
+    def _queue_stats(self, index: int, upper: float | None, waiting: list[Request], **extra) -> QueueStats:
+        now = self.clock.now()
+        oldest = min((r.arrival_time for r in waiting), default=now)
+        return QueueStats(index=index, upper_boundary=upper, length=len(waiting),
+                          head_wait_s=max(0.0, now - oldest), **extra)
 
 
-SCHEDULERS = {"fifo": FifoScheduler}
+class FifoScheduler(BatchScheduler):
+    policy = "fifo"
 
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
+                 rank_of: RankOf, clock: Clock) -> None:
+        super().__init__(config, kv, residency, rank_of, clock)
+        options_for(config.scheduler_options)  # takes none
+        self.waiting: deque[Request] = deque()
 
-def make_scheduler(config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
-                   rank_of: RankOf, clock: Clock) -> Scheduler:
-    try:
-        cls = SCHEDULERS[config.scheduler]
-    except KeyError:
-        raise ValueError(f"unknown scheduler {config.scheduler!r}; choose from {sorted(SCHEDULERS)}") from None
-    return cls(config, kv, residency, rank_of, clock)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _requeue(self, request: Request) -> None:
+        self.waiting.appendleft(request)
+
+    def _remove_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            admit = self._admit(request, out, budget)
+            if admit is Admit.OK:
+                budget -= out.chunks[-1].num_tokens
+            elif admit is Admit.NO_SLOT:
+                skipped.append(request)
+            else:
+                self.waiting.appendleft(request)
+                break
+        self.waiting.extendleft(reversed(skipped))

@@ -87,6 +87,10 @@ def sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--scheduler", default=None,
+                   help="engine scheduler: fifo, sjf, vtc or chameleon (default: the profile's)")
+    p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a knob of the scheduler, e.g. refresh_s=60 (repeatable; docs/engine.md)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="time-per-output-token SLO in seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -107,7 +111,15 @@ def run_sim(args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     except (FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    overrides = {k: v for k, v in (("max_loras", args.max_loras), ("max_num_seqs", args.max_num_seqs)) if v}
+    overrides: dict = {k: v for k, v in (("max_loras", args.max_loras), ("max_num_seqs", args.max_num_seqs),
+                                         ("scheduler", args.scheduler)) if v}
+    if args.scheduler_option:
+        from loraplex.engine.schedulers import parse_scheduler_options
+
+        try:
+            overrides["scheduler_options"] = parse_scheduler_options(args.scheduler_option)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
     slo = Slo(args.slo_ttft, args.slo_tpot)
     started = time.perf_counter()
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -69,7 +70,7 @@ class Profile(BaseModel):
     def step_seconds(self, features: StepFeatures) -> float:
         return sum(w * x for w, x in zip(self.weights(), features.vector(), strict=True))
 
-    def engine_config(self, **overrides: int | str) -> EngineConfig:
+    def engine_config(self, **overrides: Any) -> EngineConfig:
         """The engine settings of the profile, with the KV cache sized from memory."""
         fields = {**self.engine, **overrides}
         if "num_blocks" not in overrides:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loraplex.engine.core import EngineStats
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError
 from loraplex_agent.adapters import load_peft_adapter
@@ -54,7 +55,11 @@ class EngineSnapshot:
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
     resident_adapters: list[str] = field(default_factory=list)
+    scheduler: SchedulerStats | None = None  # refreshed at most every SCHEDULER_STATS_PERIOD_S
     taken_at: float = field(default_factory=time.time)
+
+
+SCHEDULER_STATS_PERIOD_S = 1.0  # scheduler stats copy per-adapter tables: not on every step
 
 
 @dataclass
@@ -78,6 +83,8 @@ class AsyncEngine:
         # owned by the engine thread
         self._streams: dict[str, _Stream] = {}
         self._unloading: dict[str, AdapterInfo] = {}
+        self._scheduler_stats: SchedulerStats | None = None
+        self._scheduler_stats_at = 0.0
         self._snapshot = self._take_snapshot()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -244,8 +251,14 @@ class AsyncEngine:
                 target = running if stream.request.status == RequestStatus.RUNNING else waiting
                 target.add(adapter.name)
         stats = self.core.stats()
+        scheduler = self._scheduler_stats
+        now = time.monotonic()
+        if scheduler is None or now - self._scheduler_stats_at >= SCHEDULER_STATS_PERIOD_S:
+            scheduler = self._scheduler_stats = self.core.scheduler_stats()
+            self._scheduler_stats_at = now
         return EngineSnapshot(stats=stats, running_adapters=sorted(running), waiting_adapters=sorted(waiting),
-                              resident_adapters=sorted(a.name for a in stats.resident_adapters))
+                              resident_adapters=sorted(a.name for a in stats.resident_adapters),
+                              scheduler=scheduler)
 
     def _fail_all(self, exc: BaseException) -> None:
         self.error = exc

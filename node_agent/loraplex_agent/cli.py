@@ -41,7 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
     p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--scheduler", default="fifo")
+    p.add_argument("--scheduler", default="fifo", choices=["fifo", "sjf", "vtc", "chameleon"],
+                   help="engine scheduler (docs/engine.md, Schedulers)")
+    p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a knob of the scheduler, e.g. refresh_s=60 or slo_s=2 (repeatable)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)")
 

@@ -21,6 +21,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
 from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.schedulers import parse_scheduler_options
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters import AdapterStore, load_peft_adapter
@@ -40,6 +41,7 @@ class LLM:
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
+                   scheduler_options=parse_scheduler_options(getattr(args, "scheduler_option", None) or []),
                    served_model_name=getattr(args, "served_model_name", None),
                    threads=getattr(args, "threads", None))
 
@@ -47,7 +49,8 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: float | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_loras: int = 8, max_lora_rank: int = 64,
-                 scheduler: str = "fifo", served_model_name: str | None = None,
+                 scheduler: str = "fifo", scheduler_options: dict | None = None,
+                 served_model_name: str | None = None,
                  seed: int | None = None, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
 
@@ -66,7 +69,7 @@ class LLM:
         self.engine_config = EngineConfig(
             max_model_len=max_len, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, scheduler=scheduler)
+            max_lora_rank=max_lora_rank, scheduler=scheduler, scheduler_options=dict(scheduler_options or {}))
         self.adapters = AdapterStore()
         self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
                                       self.adapters.get, model_dir=self.model_dir, seed=seed)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex_agent.async_engine import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -105,6 +106,47 @@ class EngineCollector(Collector):
                      len(snap.resident_adapters))
         yield self._lora_requests_info(snap)
         yield self._cache_config_info(stats.num_blocks)
+        if snap.scheduler is not None:
+            yield from self._scheduler(snap.scheduler)
+
+    def _scheduler(self, sched: SchedulerStats) -> Iterator[Metric]:
+        """The scheduler's queues, quotas and decisions (loraplex.engine.scheduler_stats)."""
+        model = [self.model_name]
+        per_queue = [
+            ("loraplex:scheduler_queue_length", "Waiting requests per scheduler queue (0 = smallest).",
+             lambda q: q.length),
+            ("loraplex:scheduler_queue_wait_seconds", "Recent arrival-to-admission time per queue.",
+             lambda q: q.mean_wait_s),
+            ("loraplex:scheduler_queue_head_wait_seconds", "Wait of the oldest waiting request per queue.",
+             lambda q: q.head_wait_s),
+            ("loraplex:scheduler_queue_quota_tokens", "Token quota per queue (chameleon).",
+             lambda q: q.quota_tokens),
+            ("loraplex:scheduler_queue_held_tokens", "Quota tokens borrowed by running requests per queue.",
+             lambda q: q.held_tokens if q.quota_tokens is not None else None),
+        ]
+        for name, doc, value in per_queue:
+            metric = GaugeMetricFamily(name, doc, labels=["model_name", "scheduler", "queue"])
+            for q in sched.queues:
+                v = value(q)
+                if v is not None:
+                    metric.add_metric([self.model_name, sched.policy, str(q.index)], v)
+            yield metric
+        yield _counter("loraplex:scheduler_squashes", "Bypassing requests stopped so the request they passed "
+                       "could start.", model, sched.num_squashes)
+        yield _counter("loraplex:scheduler_bypasses", "Requests admitted ahead of an older one whose adapter had "
+                       "no memory.", model, sched.num_bypasses)
+        yield _gauge("loraplex:scheduler_overloaded", "1 when the queues' M/M/1 quota floors exceed the token pool "
+                     "(more servers needed).", model, float(sched.overloaded))
+        if sched.predictor is not None:
+            yield _gauge("loraplex:output_length_prediction_error_tokens", "Recent mean absolute error of the "
+                         "output-length predictor.", model, sched.predictor.mean_abs_error)
+            yield _gauge("loraplex:output_length_prediction_relative_error", "Recent mean |predicted - actual| "
+                         "/ actual of the output-length predictor.", model, sched.predictor.mean_rel_error)
+        service = CounterMetricFamily("loraplex:adapter_service_tokens", "Prompt and output tokens of finished "
+                                      "requests per adapter ('' = base model).", labels=["model_name", "adapter"])
+        for adapter, tokens in sorted(sched.adapter_service.items()):
+            service.add_metric([self.model_name, adapter], tokens)
+        yield service
 
     def _lora_requests_info(self, snap: EngineSnapshot) -> Metric:
         # vLLM's encoding: adapter names as comma-separated label values, the value a timestamp

@@ -13,6 +13,7 @@ from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import ConflictError, InvalidRequestError, NotFoundError
 
+SCHEDULERS = ["fifo", "sjf", "vtc", "chameleon"]
 ADAPTERS = [AdapterInfo(AdapterId(f"a{i}", f"sha256:{i:064x}"), rank=8 * (i % 4 + 1), size_bytes=1000)
             for i in range(6)]
 
@@ -47,31 +48,43 @@ def make_requests(n: int, seed: int = 0, max_tokens: int = 12) -> list[Request]:
     return requests
 
 
-def test_every_request_gets_its_tokens_and_frees_its_blocks():
-    core, _ = make_engine()
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_every_request_gets_its_tokens_and_frees_its_blocks(scheduler):
+    core, _ = make_engine(scheduler=scheduler)
     outputs = run_all(core, make_requests(20))
     assert all(len(tokens) == 12 for tokens in outputs.values())
     assert core.kv.num_free_blocks == core.config.num_blocks
 
 
-def test_outputs_do_not_depend_on_batching_chunking_or_preemption():
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_outputs_do_not_depend_on_batching_chunking_or_preemption(scheduler):
     alone = {}
     for request in make_requests(12):
         core, _ = make_engine()
         alone.update(run_all(core, [request]))
     for overrides in ({}, {"max_num_batched_tokens": 7}, {"num_blocks": 64, "max_num_batched_tokens": 13},
                       {"max_num_seqs": 3, "max_loras": 2}):
-        core, _ = make_engine(**overrides)
+        core, _ = make_engine(scheduler=scheduler, **overrides)
         assert run_all(core, make_requests(12)) == alone, overrides
 
 
-def test_memory_pressure_preempts_and_recomputes():
-    core, _ = make_engine(num_blocks=64, max_model_len=200)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_memory_pressure_preempts_and_recomputes(scheduler):
+    # chameleon's quotas keep the KV cache within the pool while predictions hold; one that
+    # predicts a single token leaves memory preemption as its safety net
+    options = {"prior_tokens": 1, "adapter_tokens_per_rank": 0} if scheduler == "chameleon" else {}
+    core, _ = make_engine(num_blocks=64, max_model_len=200, scheduler=scheduler, scheduler_options=options)
     requests = make_requests(10, max_tokens=40)
     run_all(core, requests)
     assert core.stats().num_preemptions > 0
     assert any(r.num_preemptions for r in requests)
     assert core.kv.num_free_blocks == 64
+
+
+def test_chameleon_quotas_avoid_memory_preemption_when_predictions_hold():
+    core, _ = make_engine(num_blocks=64, max_model_len=200, scheduler="chameleon")
+    run_all(core, make_requests(10, max_tokens=40))  # predicted: min(max_tokens, 128) = 40, exact
+    assert core.stats().num_preemptions == 0
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -81,8 +94,9 @@ def test_chunked_prefill_respects_the_token_budget():
     assert sum(1 for step in executor.steps if step.chunks and not step.chunks[0].sample) == 9
 
 
-def test_adapter_slots_are_bounded_and_loaded_before_use():
-    core, executor = make_engine(max_loras=2)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_adapter_slots_are_bounded_and_loaded_before_use(scheduler):
+    core, executor = make_engine(max_loras=2, scheduler=scheduler)
     run_all(core, make_requests(30, seed=3))
     for step in executor.steps:
         assert len({c.adapter_slot for c in step.chunks if c.adapter_slot >= 0}) <= 2
@@ -123,8 +137,9 @@ def test_bad_requests_are_refused_with_clear_errors():
         SamplingParams(temperature=-1)
 
 
-def test_abort_frees_everything():
-    core, _ = make_engine()
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_abort_frees_everything(scheduler):
+    core, _ = make_engine(scheduler=scheduler)
     requests = make_requests(6, max_tokens=50)
     for request in requests:
         core.add_request(request)
@@ -166,8 +181,9 @@ def test_same_name_new_digest_is_a_different_adapter():
     assert loads == [old.id, new.id]
 
 
-def test_unloading_an_adapter_with_queued_requests_still_serves_them():
-    core, _ = make_engine(max_loras=1, max_num_seqs=1)
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_unloading_an_adapter_with_queued_requests_still_serves_them(scheduler):
+    core, _ = make_engine(max_loras=1, max_num_seqs=1, scheduler=scheduler)
     first, second = ADAPTERS[0], ADAPTERS[1]
     running = Request("running", [1, 2], SamplingParams(max_tokens=4), adapter=first.id)
     queued = Request("queued", [3, 4], SamplingParams(max_tokens=4), adapter=second.id)

@@ -1,0 +1,44 @@
+"""What a scheduler reports for metrics: plain dataclasses, taken as a snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class QueueStats:
+    index: int  # 0 is the queue of the smallest requests
+    upper_boundary: float | None  # WRS below which a request belongs here (None: no upper bound)
+    length: int  # waiting requests
+    head_wait_s: float  # how long the oldest waiting request has waited
+    mean_wait_s: float | None = None  # recent arrival-to-admission time (None: not measured)
+    quota_tokens: int | None = None  # None: the policy has no quotas
+    held_tokens: int = 0  # borrowed by running requests charged to this queue
+    min_quota_tokens: int | None = None  # the M/M/1 floor S*D*(1/SLO + lambda)
+    quota_seats: int | None = None
+    held_seats: int = 0
+    arrival_rate: float | None = None  # requests per second over the last refresh window
+
+
+@dataclass
+class PredictorStats:
+    observations: int  # finished requests learnt from
+    mean_abs_error: float  # tokens, recent (exponentially weighted)
+    mean_rel_error: float  # |predicted - actual| / actual, recent
+    bias: float  # predicted - actual in tokens, recent: > 0 over-predicts
+
+
+@dataclass
+class SchedulerStats:
+    policy: str
+    queues: list[QueueStats]
+    num_preemptions: int = 0  # for memory (recompute), not for priority
+    num_squashes: int = 0  # bypassing requests stopped so the request they passed could start
+    num_bypasses: int = 0  # requests admitted ahead of an older one whose adapter had no memory
+    num_refreshes: int = 0  # queue reconfigurations (K-means, boundaries, quotas)
+    overloaded: bool = False  # the quota floors need more tokens than the pool has
+    token_pool: int | None = None  # tokens the quotas share
+    spare_held_tokens: int = 0  # lent from the spare of emptied queues
+    predictor: PredictorStats | None = None
+    adapter_service: dict[str, int] = field(default_factory=dict)  # adapter ('' = base) -> tokens served
+    adapter_counters: dict[str, float] = field(default_factory=dict)  # vtc: virtual token counters
