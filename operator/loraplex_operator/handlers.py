@@ -221,6 +221,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.cleanup()
 def close(memo: kopf.Memo, **_: Any) -> None:
+    """Stops the planner's worker. The Redis connections stay open until the process exits: kopf
+    may leave a timer that did not stop in time running, and it must not find them closed."""
     deps: Deps | None = memo.get("deps")
     if deps is not None:
-        deps.close()
+        deps.planner.close()
