@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from loraplex_operator.inspect_source import InspectionError, SourceInspector, file_url
+from loraplex_operator.kube import KubeError
 from loraplex_operator.main import peering_objects
 
 from loraplex.cli import main
@@ -34,6 +37,40 @@ def test_peering_objects() -> None:
     assert peering_objects("lp", []) == [{"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering",
                                            "metadata": {"name": "lp"}}]
     assert [o["metadata"]["namespace"] for o in peering_objects("lp", ["a", "b"])] == ["a", "b"]
+
+
+class _NoPeeringCrds:
+    def apply(self, obj: dict[str, Any]) -> None:
+        raise KubeError(404, "the server could not find the requested resource")
+
+
+def _run_operator(monkeypatch: pytest.MonkeyPatch, kube: Any, *args: str) -> dict[str, Any]:
+    """`loraplex operator ARGS` up to kopf.run, whose arguments are returned; only the Kubernetes
+    API and kopf's loop are replaced (no cluster here; the e2e tests run the real thing)."""
+    import kopf
+    from loraplex_operator import main as operator_main
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(operator_main, "build_deps", lambda config: SimpleNamespace(kube=kube))
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
+    assert main(["operator", "--redis-url", "redis://127.0.0.1:1/0", *args]) == 0
+    return seen
+
+
+def test_standalone_gives_kopf_no_peering_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = _run_operator(monkeypatch, _NoPeeringCrds(), "--standalone")  # and creates no peering object
+    assert seen["standalone"] is True and seen["peering_name"] is None
+    assert seen["liveness_endpoint"].startswith("http://127.0.0.1:")
+
+
+def test_missing_peering_crds_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex_operator import main as operator_main
+
+    monkeypatch.setattr(operator_main, "build_deps", lambda config: SimpleNamespace(kube=_NoPeeringCrds()))
+    assert main(["operator", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert "kopf's peering CRDs are not installed" in err and "Traceback" not in err and err.count("\n") == 1
 
 
 def test_source_urls() -> None:
