@@ -80,7 +80,7 @@ class TickResult:
 MAX_REREGISTER_PER_TICK = 32
 APPLY_FAILED = "ApplyFailed"  # the API server refused one of the pool's objects
 # Status reasons after which the tick registers the adapter again (the handler does not run again).
-_REREGISTER = frozenset({"NotRegistered", "PoolNotFound", RANK_TOO_LARGE})
+_REREGISTER = frozenset({"PoolNotFound", RANK_TOO_LARGE})  # besides a TICK_REASONS status that lost its record
 
 
 def _pool_ref(ref: ObjectRef) -> PoolRef:
