@@ -27,6 +27,10 @@ def register(registry: CommandRegistry) -> None:
                  sim.serve_args, sim.run_serve)
     registry.add("bench report", "percentile table and CDF/over-time plots of results files",
                  sim.report_args, sim.run_report)
+    from loraplex.sim import memory_compare  # argparse and the twin; the engine side is imported when run
+
+    registry.add("bench memory", "memory policies (unified, lru-static, no-cache) on multi-turn chat sessions, "
+                 "in the twin and on the real engine", memory_compare.configure, memory_compare.run)
     from loraplex.sim import placement_twin_cli as placement_twin  # argparse-only
 
     registry.add("bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",

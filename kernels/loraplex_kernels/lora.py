@@ -1,29 +1,20 @@
-"""Multi-LoRA in one batch: the segmented LoRA delta, with its torch reference implementation.
+"""Multi-LoRA in one batch over adapters paged in the KV pool: the segmented LoRA delta.
 
 Semantics (the same as punica's SGMV and vLLM's `add_lora_linear`): the rows of a flat token batch
 are grouped so that all tokens of one adapter are contiguous. Segment `s` covers rows
-`start_s:end_s` and uses one resident adapter; for every LoRA-wrapped projection `m` of a fused
-group (q/k/v, or gate/up, or a single projection)
+`row_start:row_end` and uses one resident adapter; for every module `m` of a fused group (q/k/v,
+gate/up, or a single projection) that the adapter wraps
 
-    y[start_s:end_s, cols_m] += (x[start_s:end_s] @ A_s,m) @ B_s,m
+    y[rows, cols_m] += (x[rows] @ A_m^T) @ B_m^T
 
-where `A_s,m` is `[in_features, r]` (PEFT's `lora_A.weight` transposed) and `B_s,m` is
-`[r, out_m]` (PEFT's `lora_B.weight` transposed, already multiplied by the adapter's scaling).
-Rows in no segment (base-model requests) get no LoRA term.
+with `A_m` PEFT's `lora_A` `[r_m, in]` and `B_m` PEFT's `lora_B` `[out_m, r_m]` pre-scaled, both read
+through the adapter's pages (`loraplex_kernels.lora_pages` has the layout). Rows in no segment
+(base-model requests) get no LoRA term. Work follows each module's own rank: no padding to the
+batch's largest rank or to a power of two, so a step costs the sum of its adapters' ranks.
 
-Layout (`StackedLoraWeights`): the adapters of one fused group are stacked per *rank class*, the
-adapter's rank rounded up to a power of two: per module m, `a[class][m]` is `[capacity, in, class]`
-and `b[class][m]` is `[capacity, class, out_m]`, zero-padded beyond the adapter's rank. An adapter
-lives at one (class, index) in every layer and group. Work therefore follows each adapter's own
-rank rounded up to a power of two (ranks 8/16/32/64 pay nothing extra), never the batch's max rank,
-and the expand writes each module's column slice of `y` (no block-diagonal B full of zeros).
-
-Execution (`LoraBatch.runs`): consecutive segments of the same class and length whose indices
-follow each other are one *run*, computed by one batched shrink and one batched expand per module
-over views of the stacked buffers (no copies of weights). Decode steps with many adapters become a
-few runs per class instead of one matmul pair per adapter; a prefill segment is a run of its own.
-Modules are not fused on the shrink side: on the CPU a batched [1 x in] @ [in x 3r] product ran at
-half the memory bandwidth of three [1 x in] @ [in x r] products once 3r reached ~100.
+`LoraBatch` (built once per step, read by every layer) holds the segments, the resident adapters
+they use and, for the fused C++ kernel, the step's int64 tables; `LoraGroup` describes a fused
+projection (built once per model).
 
 Backends (`LORAPLEX_LORA_KERNEL`): `auto` (default) uses the fused C++ kernel
 (`loraplex_kernels.cpu_lora`, one call per fused group, streaming the weights at memory bandwidth)
@@ -34,7 +25,7 @@ the torch reference; `cpu` requires the C++ kernel for CPU float32 and raises if
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
@@ -42,201 +33,129 @@ from types import ModuleType
 import torch
 
 from loraplex_kernels import cpu_lora
+from loraplex_kernels.lora_pages import LORA_MODULES, AdapterPages, ModuleSpan, group_modules, read_adapter
 
 BACKEND_ENV = "LORAPLEX_LORA_KERNEL"
 BACKENDS = ("auto", "reference", "cpu")
 
-LoraPair = tuple[torch.Tensor, torch.Tensor]  # (A [in, r], B [r, out]), B pre-scaled
-KernelEntries = tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]  # see kernel_entries
-Location = tuple[int, int]  # (rank class, index in that class's stacked buffers)
-
-
-def rank_class(rank: int) -> int:
-    """The power of two >= rank: the stacked buffer an adapter of this rank lives in."""
-    if rank < 1:
-        raise ValueError(f"a LoRA rank must be at least 1, not {rank}")
-    return 1 << (rank - 1).bit_length()
+# the C++ kernel's segment table: these columns, then MODULE_COLUMNS per module of LORA_MODULES
+SEGMENT_COLUMNS = ("row_start", "row_end", "rank", "row_len", "page_offset", "page_count")
+MODULE_COLUMNS = ("a_offset", "b_offset", "rank", "in_features", "out_features")  # rank 0: not wrapped
 
 
 @dataclass(frozen=True)
-class LoraRun:
-    """`num_segments` consecutive segments of `tokens` rows each, starting at `row_start`; segment k
-    uses index `index_start + k` of the rank class `rank`."""
+class LoraGroup:
+    """A fused projection's LoRA modules, in the output order of its columns, and their widths."""
+
+    modules: tuple[str, ...]
+    out_features: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.modules) != len(self.out_features) or not self.modules:
+            raise ValueError(f"a LoRA group needs one output width per module: {self.modules}, {self.out_features}")
+
+    @cached_property
+    def columns(self) -> tuple[int, ...]:
+        """First column of each module in the group's output."""
+        return tuple(sum(self.out_features[:m]) for m in range(len(self.modules)))
+
+    @cached_property
+    def table(self) -> torch.Tensor:
+        """int64 [modules, 3] on the CPU: (canonical module index, first column, out features)."""
+        rows = zip(group_modules(self.modules), self.columns, self.out_features, strict=True)
+        return torch.tensor(list(rows), dtype=torch.int64).view(len(self.modules), 3)
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """Rows `row_start:row_end` of the step use the resident adapter with handle `adapter`."""
 
     row_start: int
-    tokens: int
-    num_segments: int
-    rank: int
-    index_start: int
-
-    @property
-    def row_end(self) -> int:
-        return self.row_start + self.tokens * self.num_segments
-
-    @property
-    def index_end(self) -> int:
-        return self.index_start + self.num_segments
+    row_end: int
+    adapter: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoraBatch:
     """Which rows of the step's flat token batch use which resident adapter; built once per step,
     read by every layer."""
 
-    runs: tuple[LoraRun, ...]
+    segments: tuple[LoraSegment, ...]
+    adapters: Mapping[int, AdapterPages]  # handle -> the resident adapter's pages
     num_rows: int
 
     @property
     def is_empty(self) -> bool:
-        return not self.runs
-
-    @cached_property
-    def run_table(self) -> torch.Tensor:
-        """int64 [runs, 5] on the CPU: (row_start, tokens, num_segments, rank, index_start) per run,
-        what the fused CPU kernel reads; built once per step."""
-        rows = [(r.row_start, r.tokens, r.num_segments, r.rank, r.index_start) for r in self.runs]
-        return torch.tensor(rows, dtype=torch.int64).view(len(rows), 5)
+        return not self.segments
 
     @classmethod
-    def from_row_slots(cls, row_slots: Sequence[int], locate: Callable[[int], Location],
-                       no_adapter: int = -1) -> LoraBatch:
-        """Runs from one slot per row, given in grouped order (equal slots adjacent); `locate(slot)`
-        is the slot's (rank class, index). Rows of `no_adapter` belong to no run."""
-        runs: list[LoraRun] = []
+    def from_row_adapters(cls, row_adapters: Sequence[int], adapters: Mapping[int, AdapterPages],
+                          no_adapter: int = -1) -> LoraBatch:
+        """Segments from one adapter handle per row, given in grouped order (equal handles
+        adjacent); rows of `no_adapter` belong to no segment."""
+        segments: list[LoraSegment] = []
         start = 0
-        for row in range(1, len(row_slots) + 1):
-            if row < len(row_slots) and row_slots[row] == row_slots[start]:
+        for row in range(1, len(row_adapters) + 1):
+            if row < len(row_adapters) and row_adapters[row] == row_adapters[start]:
                 continue
-            if row_slots[start] != no_adapter:
-                _append_segment(runs, start, row - start, *locate(row_slots[start]))
+            handle = row_adapters[start]
+            if handle != no_adapter:
+                if handle not in adapters:
+                    raise ValueError(f"rows {start}:{row} use adapter handle {handle}, which holds no adapter")
+                segments.append(LoraSegment(start, row, handle))
             start = row
-        return cls(tuple(runs), len(row_slots))
+        used = {s.adapter: adapters[s.adapter] for s in segments}
+        return cls(tuple(segments), used, len(row_adapters))
+
+    @cached_property
+    def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the fused CPU kernel reads, as int64 CPU tensors: the segment table
+        [segments, SEGMENT_COLUMNS + 7 * MODULE_COLUMNS] and every used adapter's pages once."""
+        offsets: dict[int, int] = {}
+        pages: list[int] = []
+        for handle, adapter in self.adapters.items():
+            offsets[handle] = len(pages)
+            pages.extend(adapter.pages)
+        rows = [_segment_row(s, self.adapters[s.adapter], offsets[s.adapter]) for s in self.segments]
+        width = len(SEGMENT_COLUMNS) + len(LORA_MODULES) * len(MODULE_COLUMNS)
+        return (torch.tensor(rows, dtype=torch.int64).view(len(rows), width),
+                torch.tensor(pages, dtype=torch.int64))
 
 
-def _append_segment(runs: list[LoraRun], start: int, tokens: int, rank: int, index: int) -> None:
-    last = runs[-1] if runs else None
-    if (last is not None and last.row_end == start and last.tokens == tokens and last.rank == rank
-            and last.index_end == index):
-        runs[-1] = LoraRun(last.row_start, tokens, last.num_segments + 1, rank, last.index_start)
-    else:
-        runs.append(LoraRun(start, tokens, 1, rank, index))
+def _segment_row(segment: LoraSegment, adapter: AdapterPages, page_offset: int) -> list[int]:
+    row = [segment.row_start, segment.row_end, adapter.rank, adapter.layout.row_len, page_offset,
+           len(adapter.pages)]
+    for module in LORA_MODULES:
+        span = adapter.layout.span(module)
+        row += ([0] * len(MODULE_COLUMNS) if span is None else
+                [span.a_offset, span.b_offset, span.rank, span.in_features, span.out_features])
+    return row
 
 
-class StackedLoraWeights:
-    """One fused group's LoRA weights (one layer) for every resident adapter, stacked per rank class.
-
-    A class's buffers exist once an adapter of that class wraps a module of the group, and grow (by
-    doubling) to cover every index stored in the class. `wrapped[class][m]` counts the stored
-    adapters that wrap module m: a module nobody wraps costs no expand, a class nobody wraps no work.
-    (A module one adapter of a run wraps and another does not costs the other one zero rows.)
-    """
-
-    def __init__(self, in_features: int, out_features: Sequence[int], device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.in_features = in_features
-        self.out_features = list(out_features)
-        self.device = device
-        self.dtype = dtype
-        self.a: dict[int, list[torch.Tensor]] = {}
-        self.b: dict[int, list[torch.Tensor]] = {}
-        self.wrapped: dict[int, list[int]] = {}
-        self.present: dict[tuple[int, int], list[bool]] = {}
-        self._entries: KernelEntries | None = None
-
-    def put(self, location: Location, parts: Sequence[LoraPair | None]) -> None:
-        """Store one adapter's pairs (one per module, None where it wraps nothing) at `location`."""
-        rank, index = location
-        self._check(rank, parts)
-        self.clear(location)
-        self._entries = None
-        self.present[location] = [p is not None for p in parts]
-        if rank not in self.a and not any(self.present[location]):
-            return  # nothing of this class wraps the group yet: no buffer needed
-        self._reserve(rank)
-        for m, pair in enumerate(parts):
-            a, b = self.a[rank][m][index], self.b[rank][m][index]
-            a.zero_()
-            b.zero_()
-            if pair is not None:
-                r = pair[0].shape[1]
-                a[:, :r] = pair[0]
-                b[:r] = pair[1]
-                self.wrapped[rank][m] += 1
-
-    def _check(self, rank: int, parts: Sequence[LoraPair | None]) -> None:
-        if rank_class(rank) != rank:
-            raise ValueError(f"rank class {rank} is not a power of two")
-        if len(parts) != len(self.out_features):
-            raise ValueError(f"expected {len(self.out_features)} LoRA pairs, got {len(parts)}")
-        for pair, out in zip(parts, self.out_features, strict=True):
-            if pair is None:
-                continue
-            r = pair[0].shape[1]
-            if r > rank or pair[0].shape[0] != self.in_features or tuple(pair[1].shape) != (r, out):
-                raise ValueError(f"LoRA pair of shapes {tuple(pair[0].shape)}, {tuple(pair[1].shape)} does not "
-                                 f"fit rank class {rank}, in {self.in_features}, out {out}")
-
-    def clear(self, location: Location) -> None:
-        """Forget the adapter at `location` (its rows are never scheduled again)."""
-        self._entries = None
-        for m, wraps in enumerate(self.present.pop(location, [])):
-            self.wrapped[location[0]][m] -= wraps
-
-    def kernel_entries(self) -> KernelEntries:
-        """What the fused CPU kernel reads: one entry per (class, module) that a stored adapter
-        wraps, as int64 [entries, 3] (rank class, first column in y, out features) plus the
-        matching A and B buffers; cached until the next put or clear."""
-        if self._entries is None:
-            starts = [sum(self.out_features[:m]) for m in range(len(self.out_features))]
-            wrapped = [(rank, m) for rank in self.a for m in range(len(self.out_features)) if self.wrapped[rank][m]]
-            meta = [(rank, starts[m], self.out_features[m]) for rank, m in wrapped]
-            self._entries = (torch.tensor(meta, dtype=torch.int64).view(len(meta), 3),
-                             [self.a[rank][m] for rank, m in wrapped], [self.b[rank][m] for rank, m in wrapped])
-        return self._entries
-
-    def _reserve(self, rank: int) -> None:
-        """Make the class's buffers hold every index stored so far, including adapters that wrap
-        nothing here, so a run over consecutive indices always finds its rows."""
-        capacity = self.a[rank][0].shape[0] if rank in self.a else 0
-        needed = 1 + max(index for r, index in self.present if r == rank)
-        if needed <= capacity:
-            return
-        new_capacity = max(needed, 2 * capacity)
-        self.a[rank] = [self._grow(self.a.get(rank), m, (new_capacity, self.in_features, rank))
-                        for m in range(len(self.out_features))]
-        self.b[rank] = [self._grow(self.b.get(rank), m, (new_capacity, rank, out))
-                        for m, out in enumerate(self.out_features)]
-        self.wrapped.setdefault(rank, [0] * len(self.out_features))
-
-    def _grow(self, old: list[torch.Tensor] | None, module: int, shape: tuple[int, ...]) -> torch.Tensor:
-        new = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        if old is not None:
-            new[:old[module].shape[0]] = old[module]
-        return new
-
-
-def lora_linear_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, weights: StackedLoraWeights) -> None:
-    """Add every segment's LoRA term to `y` [tokens, sum(out)] in place; `x` is [tokens, in].
+def lora_linear_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group: LoraGroup,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Add every segment's LoRA term of `group` to `y` [tokens, sum(out)] in place; `x` is
+    [tokens, in]; the adapters are read from this layer's KV pool (`k_cache`, `v_cache`).
 
     The fused C++ kernel on CPU float32 tensors where it is available, else the torch reference
     (see the module docstring for `LORAPLEX_LORA_KERNEL`).
     """
     if batch.is_empty:
         return
-    kernel = _cpu_kernel(y, x)
+    kernel = _cpu_kernel(y, x, k_cache)
     if kernel is None:
-        reference_lora_delta(y, x, batch, weights)
+        reference_lora_delta(y, x, batch, group, k_cache, v_cache)
         return
-    entries, a, b = weights.kernel_entries()
-    if a:
-        kernel.lora_delta(y, x if x.stride(-1) == 1 else x.contiguous(), batch.run_table, entries, a, b)
+    segments, pages = batch.kernel_tables
+    kernel.lora_delta(y, x if x.stride(-1) == 1 else x.contiguous(), k_cache, v_cache, segments, pages,
+                      group.table)
 
 
 def prepare_lora_backend(device: torch.device, dtype: torch.dtype) -> None:
     """Build the fused CPU kernel now, at startup, when this device and dtype will use it, so the
     one-time compile never lands inside a request."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    _cpu_kernel(probe, probe)
+    _cpu_kernel(probe, probe, probe)
 
 
 def lora_backend() -> str:
@@ -247,10 +166,10 @@ def lora_backend() -> str:
     return backend
 
 
-def _cpu_kernel(y: torch.Tensor, x: torch.Tensor) -> ModuleType | None:
+def _cpu_kernel(y: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor) -> ModuleType | None:
     backend = lora_backend()
     if (backend == "reference" or x.device.type != "cpu" or x.dtype != torch.float32
-            or y.dtype != torch.float32 or y.stride(-1) != 1):
+            or y.dtype != torch.float32 or k_cache.dtype != torch.float32 or y.stride(-1) != 1):
         return None
     kernel = cpu_lora.load()
     if kernel is None and backend == "cpu":
@@ -259,19 +178,35 @@ def _cpu_kernel(y: torch.Tensor, x: torch.Tensor) -> ModuleType | None:
     return kernel
 
 
-def reference_lora_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, weights: StackedLoraWeights) -> None:
-    """Torch reference of `lora_linear_delta`: per run and wrapped module one batched shrink and one
-    batched expand (a Triton kernel replaces this on the GPU later)."""
-    for run in batch.runs:
-        if run.rank not in weights.a or not any(weights.wrapped[run.rank]):
-            continue  # no adapter of this class wraps this group
-        rows = slice(run.row_start, run.row_end)
-        indices = slice(run.index_start, run.index_end)
-        xs = x[rows].view(run.num_segments, run.tokens, -1)
-        col = 0
-        for m, out in enumerate(weights.out_features):
-            if weights.wrapped[run.rank][m]:
-                h = torch.bmm(xs, weights.a[run.rank][m][indices])
-                ys = y[rows, col:col + out].view(run.num_segments, run.tokens, out)
-                ys.baddbmm_(h, weights.b[run.rank][m][indices])
-            col += out
+def reference_lora_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group: LoraGroup,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Torch reference of `lora_linear_delta`: per segment, gather the adapter's rows from its
+    pages, then per wrapped module one shrink and one expand, accumulated in float32 (a Triton
+    kernel replaces this on the GPU later)."""
+    for segment in batch.segments:
+        adapter = batch.adapters[segment.adapter]
+        wrapped = _wrapped_spans(adapter, group, x.shape[1])
+        if not wrapped:
+            continue  # the adapter wraps no module of this group
+        weights = read_adapter(k_cache, v_cache, adapter)
+        rows = slice(segment.row_start, segment.row_end)
+        xs = x[rows].float()
+        for span, col in wrapped:
+            a = weights[:span.rank, span.a_offset:span.b_offset].float()
+            b_t = weights[:span.rank, span.b_offset:span.end].float()
+            cols = slice(col, col + span.out_features)
+            y[rows, cols] += ((xs @ a.t()) @ b_t).to(y.dtype)
+
+
+def _wrapped_spans(adapter: AdapterPages, group: LoraGroup, in_features: int) -> list[tuple[ModuleSpan, int]]:
+    """(span, first column) of each module of `group` the adapter wraps, checked against the shapes."""
+    wrapped = []
+    for module, col, out in zip(group.modules, group.columns, group.out_features, strict=True):
+        span = adapter.layout.span(module)
+        if span is None:
+            continue
+        if span.in_features != in_features or span.out_features != out:
+            raise ValueError(f"{module}: the adapter's [{span.out_features}, {span.in_features}] does not fit "
+                             f"the layer's [{out}, {in_features}]")
+        wrapped.append((span, col))
+    return wrapped

@@ -48,11 +48,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
-from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_cache import KVCacheManager
-from loraplex.engine.memory_gate import MemoryGate, SlotGate
+from loraplex.engine.device_memory import DeviceMemory
+from loraplex.engine.memory_gate import MemoryGate, PageGate
 from loraplex.engine.messages import SchedulerOutput
 from loraplex.engine.output_predictor import OutputLengthPredictor, PredictorOptions
 from loraplex.engine.queue_plan import classify, plan_boundaries
@@ -134,14 +133,14 @@ class _Step:
 class ChameleonScheduler(BatchScheduler):
     policy = "chameleon"
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
+    def __init__(self, config: EngineConfig, memory: DeviceMemory,
                  rank_of: RankOf, clock: Clock, predictor: OutputLengthPredictor | None = None,
                  gate: MemoryGate | None = None) -> None:
-        super().__init__(config, kv, residency, rank_of, clock)
+        super().__init__(config, memory, rank_of, clock)
         options, predictor_options = options_for(config.scheduler_options, ChameleonOptions, PredictorOptions)
         self.options: ChameleonOptions = options
         self.predictor = predictor or OutputLengthPredictor(predictor_options)
-        self.gate: MemoryGate = gate or SlotGate(residency)
+        self.gate: MemoryGate = gate or PageGate(memory)
         self.size = SizeModel(max_in=config.max_model_len, max_out=config.max_model_len,
                               max_rank=config.max_lora_rank, block_size=config.block_size,
                               input_weight=options.input_weight, output_weight=options.output_weight,

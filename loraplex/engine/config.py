@@ -13,11 +13,15 @@ class EngineConfig:
     num_blocks: int = 1024  # KV pages on the device; the torch executor sizes this from memory
     max_num_seqs: int = 64  # requests in the running batch
     max_num_batched_tokens: int = 512  # per-step token budget; longer prompts are chunked
-    max_loras: int = 8  # adapters resident on the device at once
+    max_loras: int = 8  # adapter slots under memory_policy="lru-static"; the page pool needs none
     max_lora_rank: int = 64
     scheduler: str = "fifo"  # fifo, sjf, vtc or chameleon (loraplex.engine.schedulers)
     scheduler_options: dict[str, Any] = field(default_factory=dict)  # the scheduler's knobs by name
     residency: str = "lru"
+    memory_policy: str = "unified"  # unified, lru-static or no-cache (loraplex.engine.memory_policies)
+    prefix_cache: bool = True  # reuse KV of earlier requests of the same adapter (unified only)
+    num_host_blocks: int = 0  # host-tier KV blocks for swapped-out prefixes; 0 drops evicted KV
+    memory_options: dict[str, Any] = field(default_factory=dict)  # the memory policy's knobs by name
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs",

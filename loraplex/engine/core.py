@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.engine.adapter_residency import make_residency
 from loraplex.engine.clock import Clock, MonotonicClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.executor import Executor
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.memory_policies import make_memory
+from loraplex.engine.memory_stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
-from loraplex.engine.page_pool import PagePool
+from loraplex.engine.paged_memory import AdapterPages, no_adapter_pages
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.engine.schedulers import make_scheduler
@@ -37,17 +37,19 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor, clock: Clock | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, clock: Clock | None = None,
+                 adapter_pages: AdapterPages = no_adapter_pages) -> None:
+        """`adapter_pages` gives the device pages an adapter's weights take (the executor knows the
+        layout); the default models adapters that cost no memory."""
         self.config = config
         self.executor = executor
         self.clock = clock or MonotonicClock()
-        self.pool = PagePool(config.num_blocks)
-        self.kv = KVCacheManager(self.pool, config.block_size)
-        self.residency = make_residency(config.residency, config.max_loras)
+        self.memory = make_memory(config, adapter_pages, self.clock)
         self.adapters: dict[str, AdapterInfo] = {}
         # ranks outlive unloading: queued requests of an unloaded adapter still need a slot
         self._ranks: dict[AdapterId, int] = {}
-        self.scheduler = make_scheduler(config, self.kv, self.residency, self._rank_of, self.clock)
+        self.scheduler = make_scheduler(config, self.memory, self._rank_of, self.clock)
+        self._copy_bytes = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._adapter_loads = 0
@@ -55,13 +57,19 @@ class EngineCore:
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    def add_adapter(self, info: AdapterInfo) -> None:
+    def add_adapter(self, info: AdapterInfo, pinned: bool = False) -> None:
+        """Make `info` servable; a pinned adapter is loaded to the device now and never evicted."""
         if info.id.name in self.adapters:
             raise ConflictError(f"adapter {info.id.name!r} is already loaded; unload it first",
                                 param="lora_name")
         if not 1 <= info.rank <= self.config.max_lora_rank:
             raise AdapterError(f"adapter {info.id.name!r} has rank {info.rank}, above this engine's "
                                f"max_lora_rank={self.config.max_lora_rank}")
+        pages = self.memory.adapter_pages_of(info) if self.memory.shares_pool else 0
+        if pages >= self.memory.num_pages:
+            raise AdapterError(f"adapter {info.id.name!r} needs {pages} pages of device memory and this engine has "
+                               f"{self.memory.num_pages}; give the engine more memory")
+        self.memory.add_adapter(info, pinned=pinned)
         self.adapters[info.id.name] = info
         self._ranks[info.id] = info.rank
 
@@ -102,9 +110,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         scheduler = self.scheduler
         output = scheduler.schedule()
-        if not output.chunks and output.is_empty and not output.finished_request_ids:
+        if output.is_empty and not output.finished_request_ids and not self.memory.copies_in_flight:
             return []
-        outputs = scheduler.update(output, self.executor.execute(output))
+        result = self.executor.execute(output)
+        outputs = scheduler.update(output, result)
+        self._copy_bytes += result.copy_bytes
         self._steps += 1
         self._adapter_loads += len(output.adapter_loads)
         self._generation_tokens += len(outputs)
@@ -113,15 +123,26 @@ class EngineCore:
                 self._prompt_tokens += o.num_prompt_tokens
         return outputs
 
+    @property
+    def num_steps(self) -> int:
+        """Steps run so far (a step may produce no token: one that only finished a copy)."""
+        return self._steps
+
     def scheduler_stats(self) -> SchedulerStats:
         """The scheduler's queues, quotas, bypasses, predictor error and per-adapter service."""
         return self.scheduler.stats()
 
+    def memory_stats(self) -> MemoryStats:
+        """Pages by kind, prefix and adapter hit rates, copies and evictions of the memory policy."""
+        stats = self.memory.stats()
+        stats.h2d_bytes = self._copy_bytes
+        return stats
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            num_free_blocks=self.kv.num_free_blocks, num_blocks=self.pool.num_pages,
+            num_free_blocks=self.memory.num_free_pages, num_blocks=self.memory.num_pages,
             num_preemptions=getattr(self.scheduler, "num_preemptions", 0),
-            resident_adapters=self.residency.resident(), prompt_tokens_total=self._prompt_tokens,
+            resident_adapters=self.memory.resident(), prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens, adapter_loads_total=self._adapter_loads,
             steps_total=self._steps)

@@ -32,18 +32,45 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class AdapterLoad:
-    """Copy an adapter's weights into a device slot before this step runs."""
+    """Copy an adapter's weights from the host tier to the device.
+
+    `slot` is the adapter's handle in `ScheduledChunk.adapter_slot`: a fixed device slot under
+    `lru-static`, a handle into the page pool otherwise (then `pages` lists the device pages, in
+    order, that receive the weights). A synchronous load is done before this step computes; an
+    asynchronous one runs in the background and its `job` comes back in `ExecutorResult.copies_done`
+    once the weights are on the device; no chunk uses the handle before that."""
 
     slot: int
     adapter: AdapterId
     rank: int
+    pages: list[int] = field(default_factory=list)
+    asynchronous: bool = False
+    job: int = -1  # the copy's id when asynchronous
+
+
+@dataclass(slots=True)
+class KVCopy:
+    """One KV block (all layers) between a device page and a host page."""
+
+    device_page: int
+    host_page: int
+
+
+@dataclass(slots=True)
+class KVSwapIn:
+    """Copy KV blocks host -> device in the background; `job` comes back in `copies_done`."""
+
+    job: int
+    copies: list[KVCopy]
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     adapter_loads: list[AdapterLoad] = field(default_factory=list)
-    adapter_evictions: list[int] = field(default_factory=list)  # slots freed before this step
+    adapter_evictions: list[int] = field(default_factory=list)  # slots (handles) freed before this step
+    kv_swap_out: list[KVCopy] = field(default_factory=list)  # device -> host, done before this step computes
+    kv_swap_in: list[KVSwapIn] = field(default_factory=list)  # host -> device, in the background
     finished_request_ids: list[str] = field(default_factory=list)  # executor may drop their state
     preempted_request_ids: list[str] = field(default_factory=list)
 
@@ -53,13 +80,16 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks and not self.adapter_loads and not self.adapter_evictions
+        return not (self.chunks or self.adapter_loads or self.adapter_evictions or self.kv_swap_out
+                    or self.kv_swap_in)
 
 
 @dataclass(slots=True)
 class ExecutorResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request_id -> next token
     elapsed_s: float = 0.0  # time the step took (measured, or modelled by a simulated executor)
+    copies_done: list[int] = field(default_factory=list)  # jobs of background copies now finished
+    copy_bytes: int = 0  # host <-> device bytes this step moved or started moving
 
 
 @dataclass(slots=True)

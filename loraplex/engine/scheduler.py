@@ -3,33 +3,31 @@
 There are no prefill or decode phases, only a per-step token budget: every request is given tokens
 so that its computed tokens catch up with its known tokens (prompt chunks first, then one token per
 decode). Running requests go first, oldest first; when KV blocks run out the newest running request
-is preempted and recomputed later. `BatchScheduler` does all of that; a policy only decides which
+is preempted; its computed blocks stay in the prefix cache, so it resumes from there. `BatchScheduler` does all of that; a policy only decides which
 waiting requests to admit (`_schedule_waiting`) and keeps its own waiting structure. FIFO admits in
-arrival order while the budget, the batch size, memory and adapter slots allow; a request whose
-adapter cannot get a slot is skipped for this step, keeping its place in the queue.
+arrival order while the budget, the batch size, memory and adapters allow; a request whose
+adapter is not on the device yet is skipped for this step (its copy starts), keeping its place.
 The other policies (`sjf`, `vtc`, `chameleon`) live one per module; `schedulers.py` names them.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, fields
-from typing import Any, Protocol
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from typing import Protocol
 
-from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.messages import (
     NO_ADAPTER_SLOT,
-    AdapterLoad,
     ExecutorResult,
     RequestOutput,
     ScheduledChunk,
     SchedulerOutput,
 )
+from loraplex.engine.options import options_for
 from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.engine.scheduler_stats import QueueStats, SchedulerStats
 from loraplex.engine.stopping import finish_reason
@@ -67,7 +65,7 @@ class Admit(enum.Enum):
     """What happened when the scheduler tried to start one waiting request."""
 
     OK = "ok"  # running now; its first chunk is the last one in the step's output
-    NO_SLOT = "no_slot"  # its adapter cannot get device memory now
+    NO_SLOT = "no_slot"  # its adapter (or cached prefix) is not on the device yet
     NO_KV = "no_kv"  # too few KV blocks for its first chunk
 
 
@@ -76,46 +74,24 @@ def adapter_key(adapter: AdapterId | None) -> str:
     return adapter.name if adapter is not None else ""
 
 
-def options_for(options: Mapping[str, Any], *classes: type) -> tuple:
-    """Split a scheduler's flat `scheduler_options` over its option dataclasses. Strings (from a
-    command line) are converted to the type of the field's default; a name no class knows is an error."""
-    known = {f.name: (cls, f) for cls in classes for f in fields(cls)}
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"unknown scheduler option(s) {unknown}; this scheduler takes {sorted(known) or 'none'}")
-    values: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
-    for name, value in options.items():
-        cls, f = known[name]
-        if isinstance(value, str) and f.default is not MISSING and not isinstance(f.default, str):
-            try:
-                value = type(f.default)(value)
-            except ValueError:
-                raise ValueError(f"scheduler option {name}={value!r} is not a {type(f.default).__name__}") from None
-        values[cls][name] = value
-    return tuple(cls(**values[cls]) for cls in classes)
-
-
 class BatchScheduler:
-    """Running requests, preemption, KV blocks, adapter slots and finishing: what every policy
-    shares. A subclass owns the waiting requests: `_enqueue`, `_requeue`, `_remove_waiting`,
+    """Running requests, preemption, device memory and finishing: what every policy shares. A subclass owns the waiting requests: `_enqueue`, `_requeue`, `_remove_waiting`,
     `num_waiting` and `_schedule_waiting`, which admits through `_admit`."""
 
     policy = "base"
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
-                 rank_of: RankOf, clock: Clock) -> None:
+    def __init__(self, config: EngineConfig, memory: DeviceMemory, rank_of: RankOf, clock: Clock) -> None:
         self.config = config
-        self.kv = kv
-        self.residency = residency
+        self.memory = memory
         self.rank_of = rank_of
         self.clock = clock
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._slots: dict[str, int] = {}  # request_id -> adapter slot, while it holds one
-        self._retiring: set[AdapterId] = set()
-        self._evictions: list[int] = []
+        self._slots: dict[str, int] = {}  # request_id -> adapter handle, while it holds one
         self._finished: list[str] = []
+        self._waiting_adapters: Counter[AdapterId] = Counter()  # adapters of waiting requests
+        memory.queued = self._is_queued  # the memory policy keeps these adapters longest
         self.adapter_service: defaultdict[str, int] = defaultdict(int)  # adapter -> tokens of finished requests
 
     # ---- the waiting requests: a policy's own structure ----------------------------------------
@@ -155,6 +131,7 @@ class BatchScheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._waiting_adapters[request.adapter] += 1
         self._enqueue(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -165,21 +142,22 @@ class BatchScheduler:
             self.running.remove(request)
         else:
             self._remove_waiting(request)
+            self._waiting_adapters[request.adapter] -= 1
         self._finish(request, FinishReason.ABORT)
         return request
 
     def retire_adapter(self, adapter: AdapterId) -> None:
-        """Drop `adapter` from its slot as soon as no running request uses it."""
-        self._retiring.add(adapter)
-        self._try_retire(adapter)
+        """Drop `adapter`'s weights and cached KV as soon as no running request uses it."""
+        self.memory.retire_adapter(adapter)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(chunks=[], adapter_loads=[], adapter_evictions=self._evictions,
+        out = SchedulerOutput(chunks=[], adapter_loads=[], adapter_evictions=[],
                               finished_request_ids=self._finished, preempted_request_ids=[])
-        self._evictions, self._finished = [], []
+        self._finished = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_request_ids and self.num_waiting:
             self._schedule_waiting(out, budget)
+        self.memory.drain(out, len(self.running))
         return out
 
     def stats(self) -> SchedulerStats:
@@ -188,6 +166,8 @@ class BatchScheduler:
 
     def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
         # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
+        if result.copies_done:
+            self.memory.on_result(result)
         outputs = []
         now = self.clock.now()
         requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
@@ -220,7 +200,7 @@ class BatchScheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs once per running request per step, hence the locals and the counts read once.
-        chunks, allocate, chunk, running = out.chunks, self.kv.allocate, self._chunk, RequestStatus.RUNNING
+        chunks, allocate, chunk, running = out.chunks, self.memory.allocate, self._chunk, RequestStatus.RUNNING
         for request in list(self.running):  # a copy: preemption removes from self.running
             if budget == 0:
                 break
@@ -238,7 +218,7 @@ class BatchScheduler:
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until `request` fits (a failed allocate takes nothing)."""
-        while not self.kv.allocate(request, num_tokens):
+        while not self.memory.allocate(request, num_tokens):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is request:
@@ -247,13 +227,19 @@ class BatchScheduler:
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> Admit:
         """Start `request` with a first chunk of at most `budget` tokens, or take nothing."""
-        if not self._acquire_slot(request, out):
+        if not self._acquire_slot(request):
+            return Admit.NO_SLOT
+        if request.num_computed_tokens == 0 and not self.memory.begin(request):
+            self._release_slot(request)
             return Admit.NO_SLOT
         num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-        if not self.kv.allocate(request, num_tokens):
+        if not self.memory.allocate(request, num_tokens):
+            self.memory.release(request)
+            request.num_computed_tokens = 0
             self._release_slot(request)
             return Admit.NO_KV
         request.status = RequestStatus.RUNNING
+        self._waiting_adapters[request.adapter] -= 1
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock.now()
         self.running.append(request)
@@ -279,50 +265,41 @@ class BatchScheduler:
         self._stop_running(request, out)
 
     def _stop_running(self, request: Request, out: SchedulerOutput) -> None:
-        """Take a running request off the batch, drop its KV (recomputed later) and let it wait again."""
+        """Take a running request off the batch and let it wait again; its computed blocks go to the
+        prefix cache (where the policy keeps one), the rest is recomputed."""
         self.running.remove(request)
-        self.kv.free(request)
+        self.memory.release(request)
         self._release_slot(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self._waiting_adapters[request.adapter] += 1
         self._requeue(request)
         out.preempted_request_ids.append(request.request_id)
 
     # ---- adapters -------------------------------------------------------------------------
 
-    def _acquire_slot(self, request: Request, out: SchedulerOutput) -> bool:
+    def _is_queued(self, adapter: AdapterId | None) -> bool:
+        return self._waiting_adapters[adapter] > 0
+
+    def _acquire_slot(self, request: Request) -> bool:
         if request.adapter is None:
             return True
-        grant = self.residency.acquire(request.adapter)
-        if grant is None:
+        handle = self.memory.acquire_adapter(request.adapter)
+        if handle is None:
             return False
-        if grant.loaded:
-            out.adapter_loads.append(AdapterLoad(grant.slot, request.adapter, self.rank_of(request.adapter)))
-        self._slots[request.request_id] = grant.slot
+        self._slots[request.request_id] = handle
         return True
 
     def _release_slot(self, request: Request) -> None:
-        if self._slots.pop(request.request_id, None) is None:
-            return
-        self.residency.release(request.adapter)
-        self._try_retire(request.adapter)
-
-    def _try_retire(self, adapter: AdapterId) -> None:
-        if adapter not in self._retiring:
-            return
-        slot = self.residency.retire(adapter)
-        if slot is not None:
-            self._evictions.append(slot)
-            self._retiring.discard(adapter)
-        elif self.residency.slot_of(adapter) is None:
-            self._retiring.discard(adapter)
+        if self._slots.pop(request.request_id, None) is not None:
+            self.memory.release_adapter(request.adapter)
 
     # ---- results ----------------------------------------------------------------------------
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.block_ids:
-            self.kv.free(request)
+            self.memory.release(request)
         self._release_slot(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -348,9 +325,8 @@ class BatchScheduler:
 class FifoScheduler(BatchScheduler):
     policy = "fifo"
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
-                 rank_of: RankOf, clock: Clock) -> None:
-        super().__init__(config, kv, residency, rank_of, clock)
+    def __init__(self, config: EngineConfig, memory: DeviceMemory, rank_of: RankOf, clock: Clock) -> None:
+        super().__init__(config, memory, rank_of, clock)
         options_for(config.scheduler_options)  # takes none
         self.waiting: deque[Request] = deque()
 

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.chameleon import ChameleonScheduler
 from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.scheduler import FifoScheduler, RankOf, Scheduler
 from loraplex.engine.sjf import SjfScheduler
 from loraplex.engine.vtc import VtcScheduler
@@ -16,13 +15,12 @@ SCHEDULERS: dict[str, type] = {"fifo": FifoScheduler, "sjf": SjfScheduler, "vtc"
                                "chameleon": ChameleonScheduler}
 
 
-def make_scheduler(config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
-                   rank_of: RankOf, clock: Clock) -> Scheduler:
+def make_scheduler(config: EngineConfig, memory: DeviceMemory, rank_of: RankOf, clock: Clock) -> Scheduler:
     try:
         cls = SCHEDULERS[config.scheduler]
     except KeyError:
         raise ValueError(f"unknown scheduler {config.scheduler!r}; choose from {sorted(SCHEDULERS)}") from None
-    return cls(config, kv, residency, rank_of, clock)
+    return cls(config, memory, rank_of, clock)
 
 
 def parse_scheduler_options(pairs: list[str]) -> dict[str, str]:

@@ -11,10 +11,9 @@ from __future__ import annotations
 from bisect import insort
 from itertools import count
 
-from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.messages import SchedulerOutput
 from loraplex.engine.output_predictor import OutputLengthPredictor, PredictorOptions
 from loraplex.engine.request import FinishReason, Request
@@ -38,9 +37,9 @@ def learn_output(predictor: OutputLengthPredictor, request: Request, predicted: 
 class SjfScheduler(BatchScheduler):
     policy = "sjf"
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
+    def __init__(self, config: EngineConfig, memory: DeviceMemory,
                  rank_of: RankOf, clock: Clock, predictor: OutputLengthPredictor | None = None) -> None:
-        super().__init__(config, kv, residency, rank_of, clock)
+        super().__init__(config, memory, rank_of, clock)
         (predictor_options,) = options_for(config.scheduler_options, PredictorOptions)
         self.predictor = predictor or OutputLengthPredictor(predictor_options)
         self._waiting: list[tuple[int, int, int, Request]] = []  # (resumed first, predicted, arrival, request)

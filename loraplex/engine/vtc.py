@@ -17,10 +17,9 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import count
 
-from loraplex.engine.adapter_residency import AdapterResidency
 from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.messages import ExecutorResult, RequestOutput, SchedulerOutput
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Admit, BatchScheduler, RankOf, adapter_key, options_for
@@ -41,9 +40,9 @@ class VtcOptions:
 class VtcScheduler(BatchScheduler):
     policy = "vtc"
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, residency: AdapterResidency,
+    def __init__(self, config: EngineConfig, memory: DeviceMemory,
                  rank_of: RankOf, clock: Clock) -> None:
-        super().__init__(config, kv, residency, rank_of, clock)
+        super().__init__(config, memory, rank_of, clock)
         (self.options,) = options_for(config.scheduler_options, VtcOptions)
         self.counters: dict[AdapterId | None, float] = {}
         self._queues: dict[AdapterId | None, deque[Request]] = {}  # backlogged adapters only

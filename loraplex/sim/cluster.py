@@ -71,14 +71,15 @@ class _Server:
         self.ids = register_adapters(self.core, adapters, ids)
         self.requests: list[Request] = []
         self._scheduler = self.core.scheduler
-        self._slot_of = self.core.residency.slot_of
+        self._holds = self.core.memory.holds
         self._max_rank = self.core.config.max_lora_rank
 
     def advance(self, until: float) -> None:
         """Run every step that starts at or before `until`."""
         core, clock, scheduler = self.core, self.clock, self._scheduler
         while scheduler.has_unfinished() and clock.now() <= until:
-            if not core.step() and scheduler.num_running == 0 and scheduler.has_unfinished():
+            steps = core.num_steps
+            if not core.step() and core.num_steps == steps and scheduler.has_unfinished():
                 raise RuntimeError(f"{self.id} admits none of its waiting requests while idle")
 
     def table_candidate(self, phi: float) -> Candidate:
@@ -89,7 +90,7 @@ class _Server:
     def candidate(self, adapter: str | None, phi: float) -> Candidate:
         """The server's live state: step it up to the arrival first."""
         scheduler = self._scheduler
-        resident = adapter is not None and self._slot_of(self.ids[adapter]) is not None
+        resident = adapter is not None and self._holds(self.ids[adapter])
         return Candidate(self.id, phi=phi, residency=Residency.GPU if resident else Residency.HOST,
                          queue_depth=scheduler.num_running + scheduler.num_waiting, max_rank=self._max_rank)
 

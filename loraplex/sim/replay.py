@@ -84,7 +84,8 @@ def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Pr
             admitted.append(request)
             i += 1
         if core.has_unfinished():
-            if not core.step() and core.scheduler.num_running == 0 and core.has_unfinished():
+            steps = core.num_steps
+            if not core.step() and core.num_steps == steps and core.has_unfinished():
                 raise RuntimeError("the engine admits none of its waiting requests while idle")
         elif i < n:
             wait_until(origin + pending[i].arrival_s)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore, EngineStats
+from loraplex.engine.paged_memory import no_adapter_pages
 from loraplex.sim.executor import SimExecutor
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
@@ -21,6 +23,7 @@ from loraplex.sim.metrics import (
 from loraplex.sim.profile import Profile
 from loraplex.sim.replay import check_fits, register_adapters, replay
 from loraplex.sim.trace import Trace, TraceRequest
+from loraplex.spec.adapter import AdapterInfo
 
 
 @dataclass
@@ -31,13 +34,25 @@ class ServerRun:
 
 
 def sim_prompt(request: TraceRequest) -> list[int]:
-    return [1] * request.prompt_len  # content never matters to a simulated step
+    """Token ids of no meaning but unique to the request: a trace has no content, so no two of its
+    requests may share a cached prefix."""
+    start = (zlib.crc32(request.request_id.encode()) + 1) << 24
+    return list(range(start, start + request.prompt_len))
 
 
 def make_sim_engine(profile: Profile, config: EngineConfig | None = None) -> tuple[EngineCore, ManualClock]:
+    """The real EngineCore on a virtual clock; adapters take pages of the pool as the profile sizes them."""
     clock = ManualClock()
     config = config or profile.engine_config()
-    return EngineCore(config, SimExecutor(profile, clock), clock), clock
+    block_size = config.block_size
+
+    def adapter_pages(info: AdapterInfo) -> int:
+        return profile.adapter_pages(info.rank, block_size)
+
+    executor = SimExecutor(profile, clock, block_size)
+    # under lru-static the profile's KV memory is already net of the slots: they take no pages
+    pages = no_adapter_pages if config.memory_policy == "lru-static" else adapter_pages
+    return EngineCore(config, executor, clock, adapter_pages=pages), clock
 
 
 def simulate_server(trace: Trace, profile: Profile, config: EngineConfig | None = None,

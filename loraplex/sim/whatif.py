@@ -10,7 +10,9 @@ step-latency terms as follows:
 - adapter load from CPU: their Lat_load table shows no growth with rank (6.4-8.1 ms), so the least
   squares line, clipped to a non-negative rank slope, is a flat cost per load;
 - memory: their Mem_max table (KV tokens vLLM reported per A_max x S_max) fitted as
-  kv_tokens_base - kv_tokens_per_slot_rank * A_max * S_max.
+  kv_tokens_base - kv_tokens_per_slot_rank * A_max * S_max;
+- copies (not from the paper): bytes per KV token and per adapter rank from Llama-3.1-8B's shapes
+  in bf16, and 25 GB/s host <-> device, what PCIe 4.0 x16 sustains.
 
 Their scheduler-overhead model has no term here. Use the result to ask what-if questions about a
 GPU deployment; it says nothing about how Loraplex's own engine performs on that GPU.
@@ -23,9 +25,17 @@ import numpy as np
 from loraplex.sim.profile import Memory, Profile
 
 NAME = "whatif-h100-llama8b"
+# Llama-3.1-8B in bf16: the byte terms of the unified pool and of its copies
+LAYERS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, DTYPE_BYTES = 32, 8, 128, 4096, 14336, 2
+LORA_MODULE_DIMS = {  # (in, out) of every module a LoRA of all seven target modules wraps
+    "q_proj": (HIDDEN, HIDDEN), "k_proj": (HIDDEN, KV_HEADS * HEAD_DIM), "v_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
+    "o_proj": (HIDDEN, HIDDEN), "gate_proj": (HIDDEN, MLP), "up_proj": (HIDDEN, MLP), "down_proj": (MLP, HIDDEN),
+}
+H2D_GBPS = 25.0  # PCIe 4.0 x16, sustained
 SOURCE = ("what-if from published constants, not measured by Loraplex: Llama-3.1-8B-Instruct on a 64 GB H100, "
           "vLLM 0.8.5, constants from the public code of Agullo et al., 'Data-Driven Optimization of GPU "
-          "efficiency for Distributed LLM-Adapter Serving'")
+          "efficiency for Distributed LLM-Adapter Serving'; the copy terms (bytes of Llama-3.1-8B bf16, "
+          f"{H2D_GBPS:g} GB/s host-device as PCIe 4.0 x16) are what-if too")
 
 DECODE_MS = (0.0437994, 10.54174836)  # c1 per decoding sequence, c2 per step
 ADAPTER_PERCENT = (1.93011757, 200.01448221)  # d1 per distinct adapter in the batch, d2
@@ -76,11 +86,19 @@ def memory_fit() -> Memory:
     return Memory(kv_tokens_base=round(intercept), kv_tokens_per_slot_rank=round(-slope, 3))
 
 
+def copy_terms() -> dict[str, float]:
+    """Bytes of one KV token (K and V, every layer), of one adapter rank (A row and B column of
+    every wrapped module, every layer) and the copy bandwidth."""
+    kv_token = 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+    per_rank = LAYERS * DTYPE_BYTES * sum(i + o for i, o in LORA_MODULE_DIMS.values())
+    return {"kv_token_bytes": kv_token, "adapter_bytes_per_rank": per_rank, "h2d_gbps": H2D_GBPS}
+
+
 def whatif_profile(max_loras: int = 32, max_lora_rank: int = 32) -> Profile:
     """The what-if Llama-3.1-8B / H100 profile with the paper's engine settings."""
     if max_loras < 1 or max_lora_rank < 1:
         raise ValueError("max_loras and max_lora_rank must be at least 1")
-    memory = memory_fit()
+    memory = memory_fit().model_copy(update=copy_terms())
     if memory.kv_tokens(max_loras, max_lora_rank) < ENGINE["max_model_len"]:
         raise ValueError(f"{max_loras} slots of rank {max_lora_rank} leave less KV cache than one "
                          f"{ENGINE['max_model_len']}-token request needs")

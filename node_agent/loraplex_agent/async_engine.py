@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.engine.core import EngineStats
+from loraplex.engine.memory_stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler_stats import SchedulerStats
@@ -56,6 +57,7 @@ class EngineSnapshot:
     waiting_adapters: list[str] = field(default_factory=list)
     resident_adapters: list[str] = field(default_factory=list)
     scheduler: SchedulerStats | None = None  # refreshed at most every SCHEDULER_STATS_PERIOD_S
+    memory: MemoryStats | None = None  # refreshed with `scheduler`
     taken_at: float = field(default_factory=time.time)
 
 
@@ -85,6 +87,7 @@ class AsyncEngine:
         self._unloading: dict[str, AdapterInfo] = {}
         self._scheduler_stats: SchedulerStats | None = None
         self._scheduler_stats_at = 0.0
+        self._memory_stats: MemoryStats | None = None
         self._snapshot = self._take_snapshot()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -135,8 +138,9 @@ class AsyncEngine:
 
     # ---- adapters ---------------------------------------------------------------------------
 
-    async def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        """Read and validate the adapter off the engine thread, then register it on it."""
+    async def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> AdapterInfo:
+        """Read and validate the adapter off the engine thread, then register it on it; a pinned
+        adapter is copied to the device now and never evicted."""
         if name in self.adapters:
             raise ConflictError(f"adapter {name!r} is already loaded; unload it first", param="lora_name")
         if not Path(path).exists():
@@ -144,7 +148,7 @@ class AsyncEngine:
         host = await asyncio.to_thread(
             load_peft_adapter, name, path, self.llm.model_config, self.core.config.max_lora_rank,
             base_model_aliases=[self.llm.served_model_name])
-        await self._call(lambda: self._register_adapter(host))
+        await self._call(lambda: self._register_adapter(host, pinned))
         self.adapters[name] = AdapterRecord(host.info, str(path))
         return host.info
 
@@ -215,13 +219,12 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
 
-    def _register_adapter(self, host: HostAdapter) -> None:
+    def _register_adapter(self, host: HostAdapter, pinned: bool = False) -> None:
         name = host.info.id.name
         if name in self._unloading:
             raise ConflictError(f"adapter {name!r} is still being unloaded (requests are running on "
                                 "it); try again when they finish", param="lora_name")
-        self.core.add_adapter(host.info)
-        self.llm.adapters.add(host)
+        self.llm.register(host, pinned)
 
     def _unload_adapter(self, name: str) -> tuple[AdapterInfo, int]:
         info = self.core.adapters.get(name)
@@ -255,10 +258,11 @@ class AsyncEngine:
         now = time.monotonic()
         if scheduler is None or now - self._scheduler_stats_at >= SCHEDULER_STATS_PERIOD_S:
             scheduler = self._scheduler_stats = self.core.scheduler_stats()
+            self._memory_stats = self.core.memory_stats()
             self._scheduler_stats_at = now
         return EngineSnapshot(stats=stats, running_adapters=sorted(running), waiting_adapters=sorted(waiting),
                               resident_adapters=sorted(a.name for a in stats.resident_adapters),
-                              scheduler=scheduler)
+                              scheduler=scheduler, memory=self._memory_stats)
 
     def _fail_all(self, exc: BaseException) -> None:
         self.error = exc

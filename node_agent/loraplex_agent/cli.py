@@ -39,12 +39,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="memory for the KV cache and the adapter slots in GiB (used when --num-blocks is not given)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-loras", type=int, default=8, help="adapters resident on the device at once")
+    p.add_argument("--max-loras", type=int, default=8,
+                   help="adapter slots carved out of device memory under --memory-policy lru-static")
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--scheduler", default="fifo", choices=["fifo", "sjf", "vtc", "chameleon"],
                    help="engine scheduler (docs/engine.md, Schedulers)")
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the scheduler, e.g. refresh_s=60 or slo_s=2 (repeatable)")
+    p.add_argument("--memory-policy", default="unified", choices=["unified", "lru-static", "no-cache"],
+                   help="adapters and KV in one page pool with a prefix cache and an adapter cache (unified), "
+                        "vLLM's fixed slots (lru-static) or S-LoRA's drop-when-idle (no-cache); docs/engine.md")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV of earlier requests")
+    p.add_argument("--num-host-blocks", type=int, default=None,
+                   help="host-memory KV blocks that evicted prefixes move to (default: as many as the device "
+                        "has; 0 drops evicted KV)")
+    p.add_argument("--memory-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a knob of the memory policy, e.g. busy=0.9 or score=chameleon (repeatable)")
+    p.add_argument("--emulate-h2d-gbps", type=float, default=None, metavar="GBPS",
+                   help="EMULATION: charge every host->device byte at this bandwidth (e.g. 25 for PCIe 4.0 x16), "
+                        "so that a CPU-only machine shows what adapter and KV copies cost on a GPU server")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)")
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from loraplex_agent.model.lora_slots import lora_slots_bytes
+from loraplex_agent.model.lora_pages import LORA_GROUP_MODULES
 from loraplex_agent.model_config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,12 +51,17 @@ def kv_token_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
 
 
+def adapter_bytes_per_rank(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one rank of an adapter that wraps every target module takes in the page pool."""
+    per_layer = sum(sum(config.module_shape(m)) for modules in LORA_GROUP_MODULES.values() for m in modules)
+    return per_layer * config.num_hidden_layers * dtype.itemsize
+
+
 def kv_tokens_per_slot_rank(config: ModelConfig, dtype: torch.dtype, max_lora_rank: int) -> float:
-    """KV tokens that one adapter slot costs per unit of `max_lora_rank`: the profile's
-    `Memory.kv_tokens_per_slot_rank`, so that kv_tokens_base - this * max_loras * max_lora_rank is
-    the KV cache left once the slots are allocated (exact at this max_lora_rank)."""
-    slot = lora_slots_bytes(config, dtype, 1, max_lora_rank)
-    return slot / max_lora_rank / kv_token_bytes(config, dtype)
+    """KV tokens one rank of an adapter slot costs: the profile's `Memory.kv_tokens_per_slot_rank`,
+    so that kv_tokens_base - this * max_loras * max_lora_rank is the KV cache left once
+    `lru-static` has carved out its slots (pages are whole, so this is exact up to one page a slot)."""
+    return adapter_bytes_per_rank(config, dtype) / kv_token_bytes(config, dtype)
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -70,13 +75,11 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 def num_kv_blocks(config: ModelConfig, device: torch.device, dtype: torch.dtype, *, block_size: int,
                   max_model_len: int, max_num_seqs: int, num_blocks: int | None = None,
-                  kv_cache_memory_gib: float | None = None, max_loras: int = 0, max_lora_rank: int = 0) -> int:
-    """KV blocks to allocate: `num_blocks` if given, else sized from `kv_cache_memory_gib`, else from
-    free memory (90% of what the GPU has left after the weights; 1 GiB on the CPU). A memory budget
-    pays for the `max_loras` adapter slots of `max_lora_rank` first (`lora_slots_bytes`), as vLLM
-    does: the slots are allocated up front, and a KV cache sized from the whole budget would leave
-    them no room. Memory-derived sizes are capped at what max_num_seqs requests of max_model_len
-    tokens can use."""
+                  kv_cache_memory_gib: float | None = None) -> int:
+    """Pages of the pool (KV blocks and adapter weights share them): `num_blocks` if given, else
+    sized from `kv_cache_memory_gib`, else from free memory (90% of what the GPU has left after the
+    weights; 1 GiB on the CPU). Memory-derived sizes are capped at what max_num_seqs requests of
+    max_model_len tokens can use."""
     if num_blocks is not None:
         return num_blocks
     if kv_cache_memory_gib is not None:
@@ -86,14 +89,11 @@ def num_kv_blocks(config: ModelConfig, device: torch.device, dtype: torch.dtype,
         budget = int(GPU_KV_FRACTION * (free - weight_bytes(config, dtype) - GPU_ACTIVATION_RESERVE))
     else:
         budget = int(CPU_DEFAULT_KV_GIB * (1 << 30))
-    slots = lora_slots_bytes(config, dtype, max_loras, max_lora_rank) if max_loras else 0
-    if slots >= budget:
-        raise ValueError(f"the {max_loras} adapter slots of rank {max_lora_rank} need {slots / (1 << 30):.3g} GiB, "
-                         f"all of the {max(budget, 0) / (1 << 30):.3g} GiB memory budget, leaving nothing for the "
-                         "KV cache; lower --max-loras or --max-lora-rank, or give it more memory")
+    if budget <= 0:
+        raise ValueError("no device memory is left for the page pool; give it more memory (--kv-cache-memory)")
     blocks_per_seq = -(-max_model_len // block_size)
     cap = blocks_per_seq * max_num_seqs + 1
-    return min((budget - slots) // kv_block_bytes(config, block_size, dtype), cap)
+    return min(budget // kv_block_bytes(config, block_size, dtype), cap)
 
 
 def cpu_threads(config: ModelConfig, requested: int | None = None) -> int:

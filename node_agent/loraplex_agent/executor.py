@@ -1,9 +1,11 @@
 """TorchExecutor: runs a SchedulerOutput through the model on CPU or CUDA and samples.
 
-Per step it (1) applies adapter evictions and loads to the device slots, (2) orders the chunks as
-decode rows first, then prefill chunks, each part grouped by adapter slot, so every adapter's
-tokens form one contiguous LoRA segment, (3) turns chunks into positions, cache slots and block
-tables, (4) runs the model and (5) samples the rows that end a chunk with `sample=True`.
+Adapters live in the KV page pool (`loraplex_kernels.lora_pages`). Per step it (1) copies swapped-out
+KV blocks to the host tier, forgets evicted adapters and starts adapter loads and KV swap-ins (in
+the background through the `CopyEngine`, or now when synchronous), (2) orders the chunks as decode
+rows first, then prefill chunks, each part grouped by adapter, so every adapter's tokens form one
+contiguous LoRA segment, (3) turns chunks into positions, cache slots and block tables, (4) runs the
+model, (5) samples the rows that end a chunk with `sample=True` and (6) reports finished copies.
 """
 
 from __future__ import annotations
@@ -11,18 +13,22 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 from loraplex_kernels.attention import AttentionBatch, PrefillChunk, decode_key_mask
 from loraplex_kernels.lora import LoraBatch, prepare_lora_backend
+from loraplex_kernels.lora_pages import AdapterPages
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.messages import NO_ADAPTER_SLOT, ExecutorResult, ScheduledChunk, SchedulerOutput
 from loraplex.spec.adapter import AdapterId
+from loraplex_agent.copy_engine import CopyEngine, CopyJobError
 from loraplex_agent.host_adapter import HostAdapter
+from loraplex_agent.host_kv import HostKVPool
 from loraplex_agent.model.llama import ForwardBatch, LlamaModel
-from loraplex_agent.model.lora_slots import LoraSlots
+from loraplex_agent.model.lora_pages import PagedAdapters, lora_groups
 from loraplex_agent.model.weights import load_state_dict
 from loraplex_agent.model_config import ModelConfig
 from loraplex_agent.sampler import Sampler
@@ -33,17 +39,21 @@ GetAdapter = Callable[[AdapterId], HostAdapter]
 class TorchExecutor:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, get_adapter: GetAdapter, model_dir: str | Path | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, emulate_h2d_gbps: float | None = None) -> None:
         self.model_config = model_config
         self.config = engine_config
         self.device = device
         self.dtype = dtype
         self.get_adapter = get_adapter
-        self.lora = LoraSlots(model_config, engine_config.max_loras, device, dtype, engine_config.max_lora_rank)
         prepare_lora_backend(device, dtype)
         state = load_state_dict(model_dir or model_config.name, device, dtype)
-        self.model = LlamaModel(model_config, state, self.lora.layers, engine_config.max_model_len, device, dtype)
+        self.model = LlamaModel(model_config, state, lora_groups(model_config), engine_config.max_model_len,
+                                device, dtype)
         self.kv_caches = [self._cache_tensors() for _ in range(model_config.num_hidden_layers)]
+        self.adapters = PagedAdapters(model_config, self.kv_caches)
+        self.host_kv = HostKVPool.like(self.kv_caches, engine_config.num_host_blocks) if engine_config.num_host_blocks else None
+        self.copies = CopyEngine(device, emulate_h2d_gbps=emulate_h2d_gbps)
+        self._loading: dict[int, tuple[int, AdapterPages]] = {}  # job -> (handle, adapter) of a background load
         self.sampler = Sampler(device, seed)
         self.capture_logits = False  # tests: keep every sampled row's raw logits per request
         self.captured_logits: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -55,28 +65,69 @@ class TorchExecutor:
         return (torch.zeros(shape, device=self.device, dtype=self.dtype),
                 torch.zeros(shape, device=self.device, dtype=self.dtype))
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of the pool (one KV block of every layer)."""
+        return self.adapters.page_bytes
+
+    def adapter_pages(self, adapter: HostAdapter) -> int:
+        """Pages of the pool `adapter`'s weights take."""
+        return self.adapters.pages_needed(adapter)
+
+    def pages_for_rank(self, rank: int) -> int:
+        """Pages of an adapter of `rank` that wraps every target module (a fixed slot's size)."""
+        return self.adapters.pages_for_rank(rank)
+
+    def close(self) -> None:
+        self.copies.close()
+
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         start = time.perf_counter()
-        for slot in output.adapter_evictions:
-            self.lora.evict(slot)
-        for load in output.adapter_loads:
-            self.lora.load(load.slot, self.get_adapter(load.adapter))
         result = ExecutorResult()
+        self._copy(output, result)
         if output.chunks:
             chunks = sorted(output.chunks, key=self._row_order)
             logits = self.model.forward(self._forward_batch(chunks), self.kv_caches)
             result.sampled = self._sample(logits, [c for c in chunks if c.sample])
+        elif self._loading or output.kv_swap_in:
+            self.copies.wait_all(timeout=0.005)  # nothing to compute: wait a little for a copy
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._finish_copies(result)
         result.elapsed_s = time.perf_counter() - start
         return result
 
+    def _copy(self, output: SchedulerOutput, result: ExecutorResult) -> None:
+        """Swap-outs first (the engine reuses those pages in this step), then evictions, then loads."""
+        if output.kv_swap_out:
+            result.copy_bytes += self.copies.run_sync(partial(self.host_kv.swap_out, self.kv_caches,
+                                                              output.kv_swap_out))
+        for handle in output.adapter_evictions:
+            self.adapters.resident.pop(handle, None)
+        for load in output.adapter_loads:
+            record, write = self.adapters.copy_job(self.get_adapter(load.adapter), load.pages)
+            if load.asynchronous:
+                self._loading[load.job] = (load.slot, record)
+                self.copies.submit(load.job, write)
+            else:
+                result.copy_bytes += self.copies.run_sync(write)
+                self.adapters.resident[load.slot] = record
+        for swap in output.kv_swap_in:
+            self.copies.submit(swap.job, partial(self.host_kv.swap_in, self.kv_caches, swap.copies))
+
+    def _finish_copies(self, result: ExecutorResult) -> None:
+        for done in self.copies.poll_results():
+            if not done.ok:
+                raise CopyJobError(done.job_id) from done.error
+            loaded = self._loading.pop(done.job_id, None)
+            if loaded is not None:
+                self.adapters.resident[loaded[0]] = loaded[1]
+            result.copies_done.append(done.job_id)
+            result.copy_bytes += done.nbytes
+
     def _row_order(self, chunk: ScheduledChunk) -> tuple[bool, int, int]:
-        """Decode rows first; each part grouped by adapter, adapters in (rank class, index) order so
-        that a decode step's adapters of one class form one batched LoRA run."""
-        if chunk.adapter_slot == NO_ADAPTER_SLOT:
-            return chunk.num_tokens > 1, -1, -1
-        return (chunk.num_tokens > 1, *self.lora.location(chunk.adapter_slot))
+        """Decode rows first, then prefill chunks; each part grouped by adapter handle."""
+        return chunk.num_tokens > 1, chunk.adapter_slot, 0
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict:
         if self.capture_logits:
@@ -105,7 +156,7 @@ class TorchExecutor:
         return ForwardBatch(
             input_ids=self._tensor(ids), positions=self._tensor(positions),
             attention=self._attention_batch(slots, decodes, prefills),
-            lora=LoraBatch.from_row_slots(row_slots, self.lora.location, no_adapter=NO_ADAPTER_SLOT),
+            lora=LoraBatch.from_row_adapters(row_slots, self.adapters.resident, no_adapter=NO_ADAPTER_SLOT),
             sample_rows=self._tensor(sample_rows))
 
     def _attention_batch(self, slots: list[int], decodes: list[ScheduledChunk],

@@ -27,6 +27,7 @@ from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters import AdapterStore, load_peft_adapter
 from loraplex_agent.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
 from loraplex_agent.executor import TorchExecutor
+from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.model_config import ModelConfig
 
 Prompt = str | list[int]
@@ -42,6 +43,11 @@ class LLM:
                    max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
                    scheduler_options=parse_scheduler_options(getattr(args, "scheduler_option", None) or []),
+                   memory_policy=getattr(args, "memory_policy", "unified"),
+                   prefix_cache=not getattr(args, "no_prefix_cache", False),
+                   num_host_blocks=getattr(args, "num_host_blocks", None),
+                   memory_options=parse_scheduler_options(getattr(args, "memory_option", None) or []),
+                   emulate_h2d_gbps=getattr(args, "emulate_h2d_gbps", None),
                    served_model_name=getattr(args, "served_model_name", None),
                    threads=getattr(args, "threads", None))
 
@@ -50,6 +56,8 @@ class LLM:
                  kv_cache_memory: float | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_loras: int = 8, max_lora_rank: int = 64,
                  scheduler: str = "fifo", scheduler_options: dict | None = None,
+                 memory_policy: str = "unified", prefix_cache: bool = True, num_host_blocks: int | None = None,
+                 memory_options: dict | None = None, emulate_h2d_gbps: float | None = None,
                  served_model_name: str | None = None,
                  seed: int | None = None, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
@@ -64,29 +72,47 @@ class LLM:
         max_len = resolve_max_model_len(self.model_config, max_model_len)
         blocks = num_kv_blocks(self.model_config, torch_device, torch_dtype, block_size=block_size,
                                max_model_len=max_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                               kv_cache_memory_gib=kv_cache_memory, max_loras=max_loras,
-                               max_lora_rank=max_lora_rank)
+                               kv_cache_memory_gib=kv_cache_memory)
         self.engine_config = EngineConfig(
             max_model_len=max_len, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, scheduler=scheduler, scheduler_options=dict(scheduler_options or {}))
+            max_lora_rank=max_lora_rank, scheduler=scheduler, scheduler_options=dict(scheduler_options or {}),
+            memory_policy=memory_policy, prefix_cache=prefix_cache,
+            num_host_blocks=blocks if num_host_blocks is None else num_host_blocks,
+            memory_options=dict(memory_options or {}))
         self.adapters = AdapterStore()
         self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
-                                      self.adapters.get, model_dir=self.model_dir, seed=seed)
-        self.core = EngineCore(self.engine_config, self.executor)
+                                      self.adapters.get, model_dir=self.model_dir, seed=seed,
+                                      emulate_h2d_gbps=emulate_h2d_gbps)
+        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
         self._request_ids = itertools.count()
 
     # ---- adapters ---------------------------------------------------------------------------
 
+    def _adapter_pages(self, info: AdapterInfo) -> int:
+        """Device pages of an adapter in host memory; an unknown one (the size of a fixed slot) is
+        taken to wrap every target module."""
+        if info.id in self.adapters:
+            return self.executor.adapter_pages(self.adapters.get(info.id))
+        return self.executor.pages_for_rank(info.rank)
+
     def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         """Read and validate a PEFT folder into host memory and make it servable."""
         host = load_peft_adapter(name, path, self.model_config, self.engine_config.max_lora_rank,
                                  base_model_aliases=[self.served_model_name])
-        self.core.add_adapter(host.info)
-        self.adapters.add(host)
+        self.register(host)
         return host.info
+
+    def register(self, host: HostAdapter, pinned: bool = False) -> None:
+        """Make an adapter already in host memory servable (the engine sizes its pages from it)."""
+        self.adapters.add(host)
+        try:
+            self.core.add_adapter(host.info, pinned=pinned)
+        except Exception:
+            self.adapters.remove(host.id)
+            raise
 
     def remove_adapter(self, name: str) -> AdapterInfo:
         """Stop serving `name`. Its host copy is dropped; call between `generate` calls."""

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from loraplex.engine.memory_stats import MemoryStats
 from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex_agent.async_engine import EngineSnapshot
 
@@ -108,6 +109,42 @@ class EngineCollector(Collector):
         yield self._cache_config_info(stats.num_blocks)
         if snap.scheduler is not None:
             yield from self._scheduler(snap.scheduler)
+        if snap.memory is not None:
+            yield from self._memory(snap.memory)
+
+    def _memory(self, mem: MemoryStats) -> Iterator[Metric]:
+        """The memory policy: prefix cache, adapter cache, pages by kind, copies (vLLM names where vLLM has one)."""
+        model = [self.model_name]
+        yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", model,
+                       mem.prefix_queries_tokens)
+        yield _counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", model,
+                       mem.prefix_hit_tokens)
+        yield _gauge("vllm:num_gpu_loaded_lora_adapters", "Adapters whose weights are on the device.", model,
+                     mem.num_gpu_adapters)
+        loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 per adapter in engine memory, by level.",
+                                   labels=["model_name", "adapter", "level", "pinned", "rank"])
+        for a in mem.adapters:
+            loaded.add_metric([self.model_name, a.name, a.level, str(a.pinned).lower(), str(a.rank)], 1.0)
+        yield loaded
+        yield _counter("loraplex:adapter_admissions", "Admitted requests with an adapter.", model, mem.adapter_queries)
+        yield _counter("loraplex:adapter_cache_hits", "Of those, the adapter was already on the device.", model,
+                       mem.adapter_hits)
+        yield _counter("loraplex:adapter_evictions", "Adapters that left the device for room.", model,
+                       mem.adapter_evictions)
+        yield _counter("loraplex:kv_evictions", "Cached KV blocks dropped.", model, mem.kv_evictions)
+        yield _counter("loraplex:kv_swap_outs", "Cached KV blocks moved to the host tier.", model, mem.kv_swap_outs)
+        yield _counter("loraplex:kv_swap_ins", "Cached KV blocks brought back from the host tier.", model,
+                       mem.kv_swap_ins)
+        yield _counter("loraplex:copy_bytes", "Host <-> device bytes copied (adapters and KV).", model, mem.h2d_bytes)
+        pages = GaugeMetricFamily("loraplex:memory_pages", "Device pages by what they hold.",
+                                  labels=["model_name", "memory_policy", "kind"])
+        for kind, value in (("adapter", mem.adapter_pages), ("running_kv", mem.running_kv_pages),
+                            ("cached_kv", mem.cached_kv_pages), ("free", mem.free_pages),
+                            ("host_kv", mem.host_kv_pages)):
+            pages.add_metric([self.model_name, mem.policy, kind], value)
+        yield pages
+        yield _gauge("loraplex:invalid_kv_pages", "Cached KV pages whose adapter is not on the device (0 under "
+                     "unified).", model, mem.invalid_kv_pages)
 
     def _scheduler(self, sched: SchedulerStats) -> Iterator[Metric]:
         """The scheduler's queues, quotas and decisions (loraplex.engine.scheduler_stats)."""

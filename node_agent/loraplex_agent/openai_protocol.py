@@ -152,6 +152,7 @@ class ChatCompletionRequest(_SamplingFields):
 class LoadLoraAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
+    pinned: bool = False  # keep it on the device: loaded now, never evicted (as SGLang and vLLM users ask)
 
 
 class UnloadLoraAdapterRequest(BaseModel):

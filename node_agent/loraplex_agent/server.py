@@ -101,7 +101,7 @@ def _add_adapter_routes(app: FastAPI, ctx: ServingContext, api_key: str | None) 
         _authenticate(raw, api_key)
         if body.lora_name == ctx.served_model_name:
             raise InvalidRequestError("an adapter cannot take the base model's name", param="lora_name")
-        info = await ctx.engine.add_adapter(body.lora_name, body.lora_path)
+        info = await ctx.engine.add_adapter(body.lora_name, body.lora_path, pinned=body.pinned)
         log.info("loaded adapter %s (rank %d) from %s", info.id, info.rank, body.lora_path)
         return LoadedAdapter(lora_name=body.lora_name, digest=info.id.digest, rank=info.rank,
                              lora_path=body.lora_path)

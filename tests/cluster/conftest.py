@@ -63,7 +63,7 @@ def stack(tiny_model, tmp_path_factory, free_port) -> Iterator:
     config = StackConfig(agents=3, manifests=folder, router_port=free_port(), agent_base_port=free_port_block(3),
                          redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=3.0,
                          workdir=tmp_path_factory.mktemp("stack"),
-                         agent_args=["--num-blocks", "64"])
+                         agent_args=["--num-blocks", "400"])
     stack = LocalStack(config).start()
     stack.start_background()
     yield stack

@@ -25,7 +25,7 @@ ME, OTHER = "me", "other"
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return LLM(tiny_model.base_dir, device="cpu", num_blocks=32, max_model_len=128, max_loras=2)
+    return LLM(tiny_model.base_dir, device="cpu", num_blocks=300, max_model_len=128, max_loras=2)
 
 
 @pytest.fixture

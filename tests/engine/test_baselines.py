@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sched_harness import SCHEDULER_NAMES, drain, is_running, make_core, req
+from sched_harness import SCHEDULER_NAMES, assert_no_running_kv, drain, is_running, make_core, req
 
 from loraplex.engine.request import RequestStatus
 
@@ -95,7 +95,7 @@ def test_every_scheduler_aborts_waiting_and_running_requests_cleanly(name):
         core.abort_request(r.request_id)
     assert core.scheduler.num_waiting + core.scheduler.num_running == 4
     drain(core, clock)
-    assert core.kv.num_free_blocks == core.config.num_blocks
+    assert_no_running_kv(core)
     assert all(r.status is RequestStatus.FINISHED for r in requests)
     stats = core.scheduler_stats()
     assert stats.policy == name and stats.queues[0].length == 0

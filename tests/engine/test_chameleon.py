@@ -13,7 +13,7 @@ from sched_harness import drain, is_running, make_core, req, running_ids
 from loraplex.engine.chameleon import SPARE, ChameleonOptions
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.memory_gate import SlotGate
+from loraplex.engine.memory_gate import PageGate
 from loraplex.engine.request import RequestStatus
 
 STATIC = {"refresh_s": 1e9}  # no timer refresh during a test
@@ -104,7 +104,7 @@ def bypass_setup(**options):
     return core, clock, (la, lc, *rest)
 
 
-class SharedMemoryGate(SlotGate):
+class SharedMemoryGate(PageGate):
     """As if adapters and KV shared one pool (issue 10): every admission takes memory the head needs."""
 
     def competes(self, adapter):
@@ -126,7 +126,7 @@ def test_younger_requests_of_resident_adapters_bypass_a_head_without_adapter_mem
 def test_with_shared_memory_only_requests_ending_before_the_heads_memory_frees_bypass():
     core, _, clock = make_core(options=STATIC, max_loras=2)
     sched = core.scheduler
-    sched.gate = SharedMemoryGate(core.residency)
+    sched.gate = SharedMemoryGate(core.memory)
     sched.configure([], quota_tokens=[1024])
     add(core, req("la", 4, 40, "a"), req("lc", 4, 60, "c"))
     core.step()

@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from sched_harness import assert_no_running_kv
 from toy_executor import ToyExecutor
 
 from loraplex.engine.clock import ManualClock
@@ -53,7 +54,7 @@ def test_every_request_gets_its_tokens_and_frees_its_blocks(scheduler):
     core, _ = make_engine(scheduler=scheduler)
     outputs = run_all(core, make_requests(20))
     assert all(len(tokens) == 12 for tokens in outputs.values())
-    assert core.kv.num_free_blocks == core.config.num_blocks
+    assert_no_running_kv(core)
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
@@ -78,7 +79,7 @@ def test_memory_pressure_preempts_and_recomputes(scheduler):
     run_all(core, requests)
     assert core.stats().num_preemptions > 0
     assert any(r.num_preemptions for r in requests)
-    assert core.kv.num_free_blocks == 64
+    assert_no_running_kv(core)
 
 
 def test_chameleon_quotas_avoid_memory_preemption_when_predictions_hold():
@@ -96,7 +97,7 @@ def test_chunked_prefill_respects_the_token_budget():
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_adapter_slots_are_bounded_and_loaded_before_use(scheduler):
-    core, executor = make_engine(max_loras=2, scheduler=scheduler)
+    core, executor = make_engine(max_loras=2, scheduler=scheduler, memory_policy="lru-static")
     run_all(core, make_requests(30, seed=3))
     for step in executor.steps:
         assert len({c.adapter_slot for c in step.chunks if c.adapter_slot >= 0}) <= 2
@@ -148,7 +149,7 @@ def test_abort_frees_everything(scheduler):
     for request in requests:
         core.abort_request(request.request_id)
     assert not core.has_unfinished()
-    assert core.kv.num_free_blocks == core.config.num_blocks
+    assert_no_running_kv(core)
     assert all(r.finish_reason == FinishReason.ABORT for r in requests)
 
 
@@ -165,7 +166,7 @@ def test_unloading_an_adapter_lets_running_requests_finish_and_frees_its_slot():
         core.step()
     assert len(request.output_token_ids) == 8
     core.step()  # the eviction is sent with the next step
-    assert target.id not in core.residency.resident()
+    assert target.id not in core.memory.resident()
     assert any(step.adapter_evictions for step in executor.steps)
 
 

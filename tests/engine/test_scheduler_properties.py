@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sched_harness import SCHEDULER_NAMES, make_core, req
+from sched_harness import SCHEDULER_NAMES, assert_no_running_kv, make_core, req
 
 from loraplex.engine.chameleon import SPARE, ChameleonScheduler
 from loraplex.engine.request import RequestStatus
@@ -39,7 +39,7 @@ def replay(name: str, workload, config: dict, options: dict | None = None, check
         clock.advance(0.05)
         step += 1
     assert not core.has_unfinished(), f"{name} left requests unfinished"
-    assert core.kv.num_free_blocks == core.config.num_blocks
+    assert_no_running_kv(core)
     return {r.request_id: r.output_token_ids for _, r in requests}
 
 

@@ -40,7 +40,7 @@ def test_kv_blocks_from_flags_memory_and_cap(tiny_model):
 
 
 def test_llm_adapters_and_errors(tiny_model):
-    llm = LLM(tiny_model.base_dir, device="cpu", max_model_len=64, num_blocks=16)
+    llm = LLM(tiny_model.base_dir, device="cpu", max_model_len=64, num_blocks=64)
     info = llm.add_adapter("lora01-r16", tiny_model.adapters["lora01-r16"])
     assert info.rank == 16 and llm.adapters.by_name("lora01-r16") is not None
     with pytest.raises(NotFoundError):

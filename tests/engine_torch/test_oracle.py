@@ -29,11 +29,14 @@ def make_llm(tiny_model, **engine) -> LLM:
     return llm
 
 
+# adapters take pages of the pool: ranks 8/16/32/64 of the tiny model are 11/22/44/88 pages of 16 tokens
 ENGINES = {
-    "one-batch": dict(num_blocks=64),
-    "chunked-prefill": dict(num_blocks=64, max_num_batched_tokens=12),
-    "preemption": dict(max_model_len=64, block_size=4, num_blocks=24),
-    "slot-reuse": dict(num_blocks=64, max_loras=2, max_num_seqs=3),  # adapters evicted and reloaded
+    "one-batch": dict(num_blocks=400),
+    "chunked-prefill": dict(num_blocks=400, max_num_batched_tokens=12),
+    # 4 fixed slots of rank 64 take 1408 pages of 4 tokens, leaving 24 for KV
+    "preemption": dict(max_model_len=64, block_size=4, num_blocks=1432, memory_policy="lru-static", max_lora_rank=64),
+    "slot-reuse": dict(num_blocks=300, max_loras=2, max_num_seqs=3, memory_policy="lru-static"),
+    "unified-eviction": dict(num_blocks=200, max_num_seqs=3),  # idle adapters and cached KV give way
 }
 
 
@@ -44,13 +47,13 @@ def test_mixed_adapters_match_hf_peft(tiny_model, assert_matches_oracle, engine)
     assert [len(r.output_token_ids) for r in requests] == [GREEDY.max_tokens] * len(MIX)
     if engine == "preemption":
         assert llm.core.stats().num_preemptions > 0
-    if engine == "slot-reuse":
+    if engine in ("slot-reuse", "unified-eviction"):
         assert llm.core.stats().adapter_loads_total > 2
     assert_matches_oracle(llm, requests)
 
 
 def test_request_alone_equals_request_in_mixed_batch(tiny_model):
-    llm = make_llm(tiny_model, num_blocks=64)
+    llm = make_llm(tiny_model, num_blocks=400)
     batch = llm.generate(prompts([9, 14, 21, 6, 12, 17], seed=1), GREEDY, MIX)
     for i, name in enumerate(MIX):
         [alone] = llm.generate([batch[i].prompt_token_ids], GREEDY, [name])
@@ -61,8 +64,9 @@ def test_seeded_sampling_alone_equals_in_batch_and_after_preemption(tiny_model):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
     others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     prompt = prompts([13], seed=2)[0]
-    alone = make_llm(tiny_model, num_blocks=64).generate([prompt], seeded, ["lora01-r16"])[0]
-    crowded = make_llm(tiny_model, max_model_len=64, block_size=4, num_blocks=20)
+    alone = make_llm(tiny_model, num_blocks=400).generate([prompt], seeded, ["lora01-r16"])[0]
+    crowded = make_llm(tiny_model, max_model_len=64, block_size=4, num_blocks=1428, memory_policy="lru-static",
+                       max_lora_rank=64)
     batch = crowded.generate([prompt] + prompts([20, 25, 18], seed=3), [seeded] + [others] * 3,
                              ["lora01-r16", "lora00-r8", None, "lora03-r64"])
     assert crowded.core.stats().num_preemptions > 0

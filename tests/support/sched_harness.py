@@ -18,7 +18,8 @@ ADAPTERS = {name: AdapterInfo(AdapterId(name, f"sha256:{i:064x}"), rank=rank, si
 
 
 def make_core(scheduler: str = "chameleon", options: dict | None = None, **overrides) -> tuple[EngineCore, ToyExecutor, ManualClock]:
-    fields = {"max_model_len": 256, "block_size": 4, "num_blocks": 256, **overrides}
+    # fixed slots by default: these tests are about adapters competing for memory the old way
+    fields = {"max_model_len": 256, "block_size": 4, "num_blocks": 256, "memory_policy": "lru-static", **overrides}
     config = EngineConfig(scheduler=scheduler, scheduler_options=dict(options or {}), **fields)
     executor = ToyExecutor(config.block_size)
     clock = ManualClock()
@@ -32,6 +33,13 @@ def req(request_id: str, prompt_len: int, max_tokens: int, adapter: str | None =
     prompt = [(7 * i + len(request_id)) % 900 + 1 for i in range(prompt_len)]
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    adapter=ADAPTERS[adapter].id if adapter else None)
+
+
+def assert_no_running_kv(core: EngineCore) -> None:
+    """Every page is free or held by the prefix cache or adapters: nothing is left to finished requests."""
+    stats = core.memory_stats()
+    assert stats.running_kv_pages == 0
+    assert stats.free_pages + stats.cached_kv_pages + stats.adapter_pages == stats.num_pages
 
 
 def running_ids(core: EngineCore) -> set[str]:

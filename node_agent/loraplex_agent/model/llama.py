@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from loraplex_agent.model.lora_slots import LayerLoraWeights
 from loraplex_agent.model.rope import RotaryEmbedding, apply_rotary
 from loraplex_agent.model_config import ModelConfig
 from loraplex_kernels.attention import AttentionBatch, paged_attention, write_kv
-from loraplex_kernels.lora import LoraBatch, lora_linear_delta
+from loraplex_kernels.lora import LoraBatch, LoraGroup, lora_linear_delta
 
 from loraplex.spec.errors import InvalidRequestError
 
@@ -56,7 +55,7 @@ class _Weights:
 
 
 class DecoderLayer:
-    def __init__(self, config: ModelConfig, weights: _Weights, index: int, lora: LayerLoraWeights) -> None:
+    def __init__(self, config: ModelConfig, weights: _Weights, index: int, lora: dict[str, LoraGroup]) -> None:
         p = f"model.layers.{index}."
         attn, mlp = p + "self_attn.", p + "mlp."
         self.index = index
@@ -79,12 +78,12 @@ class DecoderLayer:
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         h = h + self._attention(rms_norm(h, self.input_norm, self.eps), batch, rope, kv_cache)
-        return h + self._mlp(rms_norm(h, self.post_norm, self.eps), batch.lora)
+        return h + self._mlp(rms_norm(h, self.post_norm, self.eps), batch.lora, kv_cache)
 
     def _attention(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                    kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = F.linear(x, self.qkv, self.qkv_bias)
-        lora_linear_delta(qkv, x, batch.lora, self.lora["qkv"])
+        lora_linear_delta(qkv, x, batch.lora, self.lora["qkv"], *kv_cache)
         q, k, v = qkv.split(self.qkv_split, dim=-1)
         cos, sin = rope
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
@@ -94,28 +93,28 @@ class DecoderLayer:
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch.attention, self.scale)
         out = out.view(-1, self.num_heads * self.head_dim)
         y = F.linear(out, self.o)
-        lora_linear_delta(y, out, batch.lora, self.lora["o"])
+        lora_linear_delta(y, out, batch.lora, self.lora["o"], *kv_cache)
         return y
 
-    def _mlp(self, x: torch.Tensor, lora: LoraBatch) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, lora: LoraBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up)
-        lora_linear_delta(gate_up, x, lora, self.lora["gate_up"])
+        lora_linear_delta(gate_up, x, lora, self.lora["gate_up"], *kv_cache)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
         y = F.linear(act, self.down)
-        lora_linear_delta(y, act, lora, self.lora["down"])
+        lora_linear_delta(y, act, lora, self.lora["down"], *kv_cache)
         return y
 
 
 class LlamaModel:
-    """Weights plus forward; the KV cache tensors and LoRA slots are owned by the executor."""
+    """Weights plus forward; the KV cache tensors (which also hold the adapters) are owned by the executor."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], lora: list[LayerLoraWeights],
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], lora: dict[str, LoraGroup],
                  max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         weights = _Weights(state, config.name)
         self.config = config
         self.embed = weights.take("model.embed_tokens.weight")
-        self.layers = [DecoderLayer(config, weights, i, lora[i]) for i in range(config.num_hidden_layers)]
+        self.layers = [DecoderLayer(config, weights, i, lora) for i in range(config.num_hidden_layers)]
         self.norm = weights.take("model.norm.weight")
         lm_head = weights.maybe("lm_head.weight")
         self.lm_head = self.embed if config.tie_word_embeddings or lm_head is None else lm_head

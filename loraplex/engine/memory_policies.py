@@ -1,0 +1,21 @@
+"""Memory policies by name: what `EngineConfig.memory_policy` and `--memory-policy` choose from."""
+
+from __future__ import annotations
+
+from loraplex.engine.clock import Clock
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.memory_lru_static import LruStaticMemory
+from loraplex.engine.memory_no_cache import NoCacheMemory
+from loraplex.engine.memory_unified import UnifiedMemory
+from loraplex.engine.paged_memory import AdapterPages, PagedMemory
+
+MEMORY_POLICIES: dict[str, type[PagedMemory]] = {"unified": UnifiedMemory, "lru-static": LruStaticMemory,
+                                                  "no-cache": NoCacheMemory}
+
+
+def make_memory(config: EngineConfig, adapter_pages: AdapterPages, clock: Clock) -> PagedMemory:
+    try:
+        cls = MEMORY_POLICIES[config.memory_policy]
+    except KeyError:
+        raise ValueError(f"unknown memory policy {config.memory_policy!r}; choose from {sorted(MEMORY_POLICIES)}") from None
+    return cls(config, adapter_pages, clock)
