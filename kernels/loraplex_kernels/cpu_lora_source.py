@@ -11,20 +11,20 @@ value: no padding to a power of two).
 - Work items are (segment, modules, up to 32 rows); items write disjoint rows and columns of `y`,
   so the threads of `at::parallel_for` pull them from a shared counter, biggest first, with no
   reduction and no lock.
-- A decode row (or a row left over from a prefill block) walks the rank rows: per row k and module,
-  `s = x . A[k]` then `y += s * B[k]`, so each module's A and B rows, adjacent in the pool, stream
-  once in address order, read in place (a vector across a half-block boundary is assembled). One
-  item takes all the group's modules, whose spans of a row are adjacent too, unless there are fewer
-  such items than threads. Rows are row_len apart: the rows a few KiB ahead are prefetched (into L2)
-  by software, which the hardware prefetcher does not do across rows.
+- A decode row (or a row left over from a prefill block) walks the rank rows two at a time: per
+  module, `s = x . A[k]` then `y += s * B[k]`, so each module's A and B rows, adjacent in the pool,
+  stream once in address order, read in place (a vector across a half-block boundary is
+  assembled). One item takes all the group's modules, whose spans of a row are adjacent too,
+  unless there are fewer such items than threads. Rows are row_len apart: the rows 8 KiB ahead
+  are prefetched into L2 by software, which the hardware prefetcher does not do across rows.
 - Prefill rows go four at a time per module: every A and B row is resolved once (straddling rows
   copied to a thread-local scratch), the shrink runs four A rows at a time (AVX-512; two otherwise)
   vectorised over in_features, so each x load serves four rank rows and each A element four
-  tokens; the expand copies 32 output columns of B into a contiguous panel and keeps those 32
-  outputs of four rows in registers over the rank loop.
+  tokens, and sums four accumulators' lanes at once; the expand copies 64 (32, 16) output columns
+  of B into a contiguous panel and keeps those outputs of four rows in registers over the rank loop.
 - Every row gets the same operations in the same order whatever the blocking (the lanes of a dot
-  product are those of a contiguous row, its horizontal sum a fixed tree), so a request gets
-  bit-identical LoRA terms alone and inside any batch.
+  product are those of a contiguous row, its horizontal sum a fixed tree, multiply-adds fused alike),
+  so a request gets bit-identical LoRA terms alone and inside any batch.
 """
 
 SOURCE = r"""
@@ -70,6 +70,7 @@ inline float fmadd(float a, float b, float c) {
 #endif
 }
 
+#if defined(__clang__) || __GNUC__ >= 12
 // The lanes summed by a fixed tree. (Shuffles, not memcpy: taking the accumulator's address
 // would keep it in memory inside the dot loop.)
 inline float hsum(v16 v) {
@@ -93,6 +94,18 @@ inline void hsum4(const v16* v, float* out) {
   const v4 s1 = __builtin_shufflevector(s2, s2, 0, 2, 4, 6) + __builtin_shufflevector(s2, s2, 1, 3, 5, 7);
   for (int r = 0; r < 4; ++r) out[r] = s1[r];
 }
+#else  // older compilers: the same tree, lane by lane
+inline float hsum(v16 v) {
+  float s8[8], s4[4];
+  for (int l = 0; l < 8; ++l) s8[l] = v[l] + v[l + 8];
+  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+inline void hsum4(const v16* v, float* out) {
+  for (int r = 0; r < 4; ++r) out[r] = hsum(v[r]);
+}
+#endif
 
 // One layer's pool seen by an adapter: its flat element e is in half-block j = e / half, the K
 // block (j even) or V block (j odd) of page pages[j / 2].
@@ -292,6 +305,11 @@ inline void axpy_rows(float* __restrict__ y, const float* s, SpanReader* b, int6
     }
 }
 
+// Every cache line of a span, into L2.
+inline void prefetch_span(SpanReader span, int64_t len) {
+  for (int64_t i = 0; i < len; i += 16) prefetch_l2(span.address(i));
+}
+
 // Where one module's spans are in the current rank row, and in the row `distance` ahead.
 struct ModuleWalk {
   Walk a, b, ahead_a, ahead_b;
@@ -335,7 +353,9 @@ void run_row(const Item& it, const Rows& m, const Pool& pool, int64_t t) {
   for (int u = 0; u < it.count; ++u) {
     const Walk a(pool, it.mods[u].a_off, it.row_len), b(pool, it.mods[u].b_off, it.row_len);
     walks[u] = {a, b, a, b};
-    for (int64_t k = 0; k < distance; ++k) {
+    for (int64_t k = 0; k < distance && k < it.mods[u].rank; ++k) {  // the first rows, all at once
+      prefetch_span(SpanReader(pool, it.pages, walks[u].ahead_a), m.in);
+      prefetch_span(SpanReader(pool, it.pages, walks[u].ahead_b), it.mods[u].out);
       walks[u].ahead_a.next_row(pool);
       walks[u].ahead_b.next_row(pool);
     }

@@ -14,6 +14,7 @@ This module is the twin side, the arguments, the tables and the JSON report; it 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Callable
@@ -259,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_side() -> Callable[[argparse.Namespace, list[Variant]], SideReport]:
-    try:
-        from loraplex_agent.bench_memory import run_engine
+    try:  # the agent is a component the core does not depend on: found at run time, like its commands
+        module = importlib.import_module("loraplex_agent.bench_memory")
     except ImportError as exc:
         raise CommandError(f"the real-engine side needs the agent and torch ({exc}); run with --side twin") from None
-    return run_engine
+    return module.run_engine
