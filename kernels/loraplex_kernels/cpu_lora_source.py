@@ -241,18 +241,18 @@ inline void dot_rows(const float* __restrict__ x, SpanReader* a, int64_t in, Spa
   v16 acc[R] = {};
   int64_t i = 0;
   while (i + 16 <= in) {
-    const int64_t stop = stretch_end<R>(a, i, in);
+    const int64_t start = i, stop = stretch_end<R>(a, i, in);
     const float* pa[R];
     const float* pf[R];
     for (int r = 0; r < R; ++r) {
-      pa[r] = a[r].at(i, 0) - i;
-      pf[r] = ahead[r].address(i) - i;
+      pa[r] = a[r].at(start, 0);
+      pf[r] = ahead[r].address(start);
     }
     for (; i < stop; i += 16) {
       const v16 xv = load16(x + i);
       for (int r = 0; r < R; ++r) {
-        prefetch_l2(pf[r] + i);
-        acc[r] += xv * load16(pa[r] + i);
+        prefetch_l2(pf[r] + (i - start));
+        acc[r] += xv * load16(pa[r] + (i - start));
       }
     }
     if (i + 16 <= in) {  // some span changes piece inside this vector
@@ -276,18 +276,18 @@ template <int R>
 inline void axpy_rows(float* __restrict__ y, const float* s, SpanReader* b, int64_t out, SpanReader* ahead) {
   int64_t o = 0;
   while (o + 16 <= out) {
-    const int64_t stop = stretch_end<R>(b, o, out);
+    const int64_t start = o, stop = stretch_end<R>(b, o, out);
     const float* pb[R];
     const float* pf[R];
     for (int r = 0; r < R; ++r) {
-      pb[r] = b[r].at(o, 0) - o;
-      pf[r] = ahead[r].address(o) - o;
+      pb[r] = b[r].at(start, 0);
+      pf[r] = ahead[r].address(start);
     }
     for (; o < stop; o += 16) {
       v16 yv = load16(y + o);
       for (int r = 0; r < R; ++r) {
-        prefetch_l2(pf[r] + o);
-        yv += s[r] * load16(pb[r] + o);
+        prefetch_l2(pf[r] + (o - start));
+        yv += s[r] * load16(pb[r] + (o - start));
       }
       store16(y + o, yv);
     }
@@ -322,20 +322,75 @@ struct ModuleWalk {
   }
 };
 
-// R rank rows of one module for one row of x: s = x . A[k..], then y += s . B[k..].
+// The common case of dot_rows, every span contiguous: the same operations on raw pointers.
+template <int R>
+inline void dot_fast(const float* __restrict__ x, const float* const* a, int64_t in, const float* const* ahead,
+                     float* s) {
+  v16 acc[R] = {};
+  int64_t i = 0;
+  for (; i + 16 <= in; i += 16) {
+    const v16 xv = load16(x + i);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(ahead[r] + i);
+      acc[r] += xv * load16(a[r] + i);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = hsum(acc[r]);
+    for (int64_t j = i; j < in; ++j) sum = fmadd(x[j], a[r][j], sum);
+    s[r] = sum;
+  }
+}
+
+// The common case of axpy_rows, every span contiguous: the same operations on raw pointers.
+template <int R>
+inline void axpy_fast(float* __restrict__ y, const float* s, const float* const* b, int64_t out,
+                      const float* const* ahead) {
+  int64_t o = 0;
+  for (; o + 16 <= out; o += 16) {
+    v16 yv = load16(y + o);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(ahead[r] + o);
+      yv += s[r] * load16(b[r] + o);
+    }
+    store16(y + o, yv);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = o; j < out; ++j) y[j] = fmadd(s[r], b[r][j], y[j]);
+}
+
+// R rank rows of one module for one row of x: s = x . A[k..], then y += s . B[k..]. Raw pointers
+// when every span lies in one half-block, else span readers.
 template <int R>
 inline void module_rows(const Item& it, const Rows& m, const Pool& pool, const Module& mod, ModuleWalk& w,
                         bool far, const float* x, float* y) {
-  SpanReader a[R] = {}, b[R] = {}, ahead_a[R] = {}, ahead_b[R] = {};
+  const float *a[R], *b[R], *ahead_a[R], *ahead_b[R];
+  ModuleWalk at[R];
+  bool contiguous = true;
   for (int r = 0; r < R; ++r, w.next_row(pool)) {
-    a[r] = SpanReader(pool, it.pages, w.a);
-    b[r] = SpanReader(pool, it.pages, w.b);
-    ahead_a[r] = far ? SpanReader(pool, it.pages, w.ahead_a) : a[r];  // nothing left ahead: the row itself
-    ahead_b[r] = far ? SpanReader(pool, it.pages, w.ahead_b) : b[r];
+    at[r] = w;
+    a[r] = half_block(pool, it.pages, w.a.j) + w.a.off;
+    b[r] = half_block(pool, it.pages, w.b.j) + w.b.off;
+    // nothing left ahead: prefetch the row itself (its first piece, when the row ahead straddles)
+    ahead_a[r] = far ? half_block(pool, it.pages, w.ahead_a.j) + w.ahead_a.off : a[r];
+    ahead_b[r] = far ? half_block(pool, it.pages, w.ahead_b.j) + w.ahead_b.off : b[r];
+    contiguous &= w.a.off + m.in <= pool.half && w.b.off + mod.out <= pool.half;
   }
   float s[R];
-  dot_rows<R>(x, a, m.in, ahead_a, s);
-  axpy_rows<R>(y + mod.col, s, b, mod.out, ahead_b);
+  if (contiguous) {
+    dot_fast<R>(x, a, m.in, ahead_a, s);
+    axpy_fast<R>(y + mod.col, s, b, mod.out, ahead_b);
+    return;
+  }
+  SpanReader ra[R], rb[R], rpa[R], rpb[R];
+  for (int r = 0; r < R; ++r) {
+    ra[r] = SpanReader(pool, it.pages, at[r].a);
+    rb[r] = SpanReader(pool, it.pages, at[r].b);
+    rpa[r] = far ? SpanReader(pool, it.pages, at[r].ahead_a) : ra[r];
+    rpb[r] = far ? SpanReader(pool, it.pages, at[r].ahead_b) : rb[r];
+  }
+  dot_rows<R>(x, ra, m.in, rpa, s);
+  axpy_rows<R>(y + mod.col, s, rb, mod.out, rpb);
 }
 
 // Row t of the item: rank rows two at a time, each module in turn. The modules' spans of one rank

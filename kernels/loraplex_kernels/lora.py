@@ -25,6 +25,7 @@ the torch reference; `cpu` requires the C++ kernel for CPU float32 and raises if
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,7 +34,13 @@ from types import ModuleType
 import torch
 
 from loraplex_kernels import cpu_lora
-from loraplex_kernels.lora_pages import LORA_MODULES, AdapterPages, ModuleSpan, group_modules, read_adapter
+from loraplex_kernels.lora_pages import (
+    LORA_MODULES,
+    AdapterPages,
+    ModuleSpan,
+    group_modules,
+    read_adapter,
+)
 
 BACKEND_ENV = "LORAPLEX_LORA_KERNEL"
 BACKENDS = ("auto", "reference", "cpu")
@@ -110,26 +117,26 @@ class LoraBatch:
     @cached_property
     def kernel_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the fused CPU kernel reads, as int64 CPU tensors: the segment table
-        [segments, SEGMENT_COLUMNS + 7 * MODULE_COLUMNS] and every used adapter's pages once."""
+        [segments, SEGMENT_COLUMNS + 7 * MODULE_COLUMNS] and every used adapter's pages once.
+        Built from flat int arrays: torch.tensor over nested lists costs more than the kernel on
+        a small model."""
         offsets: dict[int, int] = {}
         pages: list[int] = []
         for handle, adapter in self.adapters.items():
             offsets[handle] = len(pages)
-            pages.extend(adapter.pages)
-        rows = [_segment_row(s, self.adapters[s.adapter], offsets[s.adapter]) for s in self.segments]
+            pages += adapter.pages
+        rows: list[int] = []
+        for s in self.segments:
+            adapter = self.adapters[s.adapter]
+            rows += (s.row_start, s.row_end, adapter.rank, adapter.layout.row_len, offsets[s.adapter],
+                     len(adapter.pages))
+            rows += adapter.layout.kernel_columns
         width = len(SEGMENT_COLUMNS) + len(LORA_MODULES) * len(MODULE_COLUMNS)
-        return (torch.tensor(rows, dtype=torch.int64).view(len(rows), width),
-                torch.tensor(pages, dtype=torch.int64))
+        return _int64(rows).view(len(self.segments), width), _int64(pages)
 
 
-def _segment_row(segment: LoraSegment, adapter: AdapterPages, page_offset: int) -> list[int]:
-    row = [segment.row_start, segment.row_end, adapter.rank, adapter.layout.row_len, page_offset,
-           len(adapter.pages)]
-    for module in LORA_MODULES:
-        span = adapter.layout.span(module)
-        row += ([0] * len(MODULE_COLUMNS) if span is None else
-                [span.a_offset, span.b_offset, span.rank, span.in_features, span.out_features])
-    return row
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
 
 
 def lora_linear_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group: LoraGroup,

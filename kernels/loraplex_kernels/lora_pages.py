@@ -65,6 +65,17 @@ class RowLayout:
     def span(self, module: str) -> ModuleSpan | None:
         return self.by_module.get(module)
 
+    @cached_property
+    def kernel_columns(self) -> tuple[int, ...]:
+        """Per module of LORA_MODULES: (a_offset, b_offset, rank, in_features, out_features), zeros
+        where not wrapped (the layout part of a row of the C++ kernel's segment table)."""
+        columns: list[int] = []
+        for module in LORA_MODULES:
+            span = self.span(module)
+            columns += ((0, 0, 0, 0, 0) if span is None else
+                        (span.a_offset, span.b_offset, span.rank, span.in_features, span.out_features))
+        return tuple(columns)
+
     @classmethod
     def build(cls, modules: Mapping[str, tuple[int, int, int]]) -> RowLayout:
         """From module -> (in_features, out_features, rank); canonical order whatever the mapping's."""
