@@ -256,7 +256,9 @@ class AsyncEngine:
         stats = self.core.stats()
         scheduler = self._scheduler_stats
         now = time.monotonic()
-        if scheduler is None or now - self._scheduler_stats_at >= SCHEDULER_STATS_PERIOD_S:
+        # at most once a period while busy, and always when the engine goes idle (nothing refreshes it then)
+        if (scheduler is None or now - self._scheduler_stats_at >= SCHEDULER_STATS_PERIOD_S
+                or not self.core.has_unfinished()):
             scheduler = self._scheduler_stats = self.core.scheduler_stats()
             self._memory_stats = self.core.memory_stats()
             self._scheduler_stats_at = now

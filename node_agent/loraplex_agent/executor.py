@@ -11,7 +11,7 @@ model, (5) samples the rows that end a chunk with `sample=True` and (6) reports 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -54,6 +54,7 @@ class TorchExecutor:
         self.host_kv = HostKVPool.like(self.kv_caches, engine_config.num_host_blocks) if engine_config.num_host_blocks else None
         self.copies = CopyEngine(device, emulate_h2d_gbps=emulate_h2d_gbps)
         self._loading: dict[int, tuple[int, AdapterPages]] = {}  # job -> (handle, adapter) of a background load
+        self._load_seconds: deque[float] = deque(maxlen=10_000)  # drained by /metrics from another thread
         self.sampler = Sampler(device, seed)
         self.capture_logits = False  # tests: keep every sampled row's raw logits per request
         self.captured_logits: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -80,6 +81,14 @@ class TorchExecutor:
 
     def close(self) -> None:
         self.copies.close()
+
+    def drain_load_seconds(self) -> list[float]:
+        """Seconds each adapter load took since the last call, from the step that started it to its
+        weights on the device (queueing behind other copies included); safe from any thread."""
+        drained = []
+        while self._load_seconds:
+            drained.append(self._load_seconds.popleft())
+        return drained
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
         start = time.perf_counter()
@@ -110,7 +119,9 @@ class TorchExecutor:
                 self._loading[load.job] = (load.slot, record)
                 self.copies.submit(load.job, write)
             else:
+                began = time.perf_counter()
                 result.copy_bytes += self.copies.run_sync(write)
+                self._load_seconds.append(time.perf_counter() - began)
                 self.adapters.resident[load.slot] = record
         for swap in output.kv_swap_in:
             self.copies.submit(swap.job, partial(self.host_kv.swap_in, self.kv_caches, swap.copies))
@@ -122,6 +133,7 @@ class TorchExecutor:
             loaded = self._loading.pop(done.job_id, None)
             if loaded is not None:
                 self.adapters.resident[loaded[0]] = loaded[1]
+                self._load_seconds.append(done.queued_s + done.seconds)
             result.copies_done.append(done.job_id)
             result.copy_bytes += done.nbytes
 

@@ -27,13 +27,14 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
+LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class ServerMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot], max_loras: int,
-                 block_size: int) -> None:
+                 block_size: int, drain_load_seconds: Callable[[], list[float]] = list) -> None:
         disable_created_metrics()  # no `*_created` series, as in vLLM (a process-wide switch)
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -56,6 +57,10 @@ class ServerMetrics:
                              labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time waiting before first scheduled.",
                                     labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg)
+        self.adapter_load = Histogram("vllm:lora_adapter_load_seconds", "Adapter copies host -> device, from "
+                                      "the step that started one to the weights on the device.",
+                                      labels, buckets=LOAD_BUCKETS, registry=reg)
+        self.drain_load_seconds = drain_load_seconds
         reg.register(EngineCollector(model_name, snapshot, max_loras, block_size))
 
     def observe_first_token(self, seconds: float) -> None:
@@ -74,6 +79,8 @@ class ServerMetrics:
             self.queue_time.labels(self.model_name).observe(queue_seconds)
 
     def render(self) -> bytes:
+        for seconds in self.drain_load_seconds():
+            self.adapter_load.labels(self.model_name).observe(seconds)
         return generate_latest(self.registry)
 
 

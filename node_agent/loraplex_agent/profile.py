@@ -14,6 +14,7 @@ measures wall time instead. On an idle machine the two agree.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -122,8 +123,13 @@ def bind_adapters(trace: Trace, llm: LLM) -> Trace:
     return Trace(requests, trace.workload)
 
 
+_RUNS = itertools.count()  # replays in this process; each draws prompts no earlier one used
+
+
 def random_prompts(vocab_size: int, seed: int = 0):
-    rng = random.Random(seed)
+    """Fresh random prompts per replay: the prefix cache keeps earlier runs' prompts, and a replay that
+    repeated them would be served from it while the twin (whose prompts are unique) is not."""
+    rng = random.Random(f"{seed}/{next(_RUNS)}")
     return lambda r: [rng.randrange(3, vocab_size) for _ in range(r.prompt_len)]
 
 

@@ -52,7 +52,8 @@ class AgentConfig:
 def build_app(engine: AsyncEngine, config: AgentConfig) -> FastAPI:
     """The app; its lifespan starts the engine thread, loads the start-up adapters and stops it."""
     core_config, served = engine.core.config, engine.llm.served_model_name
-    metrics = ServerMetrics(served, engine.snapshot, core_config.max_loras, core_config.block_size)
+    metrics = ServerMetrics(served, engine.snapshot, core_config.max_loras, core_config.block_size,
+                            engine.llm.executor.drain_load_seconds)
     ctx = ServingContext(engine, metrics, served, str(engine.llm.model_dir))
 
     @asynccontextmanager

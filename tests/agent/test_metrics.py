@@ -72,3 +72,35 @@ def test_lora_requests_info_has_vllm_labels(agent):
     assert set(sample.labels) == {"model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"}
     assert sample.labels["max_lora"] == str(agent.engine.core.config.max_loras)
     assert sample.value > 1e9  # a wall-clock timestamp, as vLLM sets it
+
+
+def test_memory_metrics_show_the_prefix_cache_pinned_adapters_and_load_times(agent):
+    import httpx
+
+    name = "pinned-copy"
+    path = agent.tiny_model.adapters[agent.adapters[1]]
+    with httpx.Client(base_url=agent.url, timeout=60) as http:
+        loaded = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path), "pinned": True},
+                           headers=agent.admin_headers())
+        assert loaded.status_code == 200, loaded.text
+    try:
+        prompt = "def fibonacci(n):\n    " * 8  # long enough for full KV blocks
+        for _ in range(2):  # the second request finds the first one's prompt in the prefix cache
+            agent.client().completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0)
+
+        def hit() -> dict | None:  # the snapshot behind /metrics is refreshed about once a second
+            families = _families(agent)
+            return families if _value(families["vllm:prefix_cache_hits"], "_total") > 0 else None
+
+        families = agent.wait_for(hit, "a prefix cache hit in /metrics")
+        assert _value(families["vllm:prefix_cache_queries"], "_total") >= _value(families["vllm:prefix_cache_hits"],
+                                                                                  "_total") > 0
+        loaded_series = [s for s in families["vllm:lora_adapter_loaded"].samples if s.labels["adapter"] == name]
+        assert loaded_series and loaded_series[0].labels["pinned"] == "true" and loaded_series[0].labels["level"] == "gpu"
+        assert _value(families["vllm:lora_adapter_load_seconds"], "_count") >= 1
+        assert families["loraplex:invalid_kv_pages"].samples[0].value == 0
+        pages = {s.labels["kind"]: s.value for s in families["loraplex:memory_pages"].samples}
+        assert pages["adapter"] > 0 and pages["cached_kv"] > 0
+    finally:
+        with httpx.Client(base_url=agent.url, timeout=60) as http:
+            http.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=agent.admin_headers())
