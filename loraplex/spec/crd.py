@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from loraplex.engine.policy_check import check_policies
 from loraplex.spec.names import MAX_POOL_NAME_LENGTH, POOL_NAME_PATTERN, is_pool_name
 
 GROUP = "loraplex.io"
@@ -182,13 +183,25 @@ class EngineSpec(CrdModel):
 
     max_model_len: int | None = Field(None, ge=16, description="Default: the model's own limit")
     max_lora_rank: int = Field(64, ge=1, le=512)
-    max_loras: int = Field(8, ge=1, description="Adapters resident on the GPU at once")
+    max_loras: int = Field(8, ge=1, description="Adapter slots under memoryPolicy lru-static")
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=16)
     block_size: int = Field(16, ge=1)
     kv_cache_memory_gib: float | None = Field(None, gt=0, description="Default: sized from free memory")
     scheduler: str = Field("fifo", pattern=r"^[a-z][a-z0-9-]{0,31}$", description="Engine scheduler by name")
+    scheduler_options: dict[str, str] = Field(default_factory=dict, description="Knobs of the scheduler by name, "
+                                              "e.g. refresh_s: '60' (--scheduler-option)")
+    memory_policy: str = Field("unified", pattern=r"^[a-z][a-z0-9-]{0,31}$",
+                               description="unified (one page pool, prefix and adapter cache), lru-static or no-cache")
+    prefix_cache: bool = Field(True, description="Reuse the KV of earlier requests of the same adapter")
+    memory_options: dict[str, str] = Field(default_factory=dict, description="Knobs of the memory policy by "
+                                           "name, e.g. busy: '0.9' (--memory-option)")
     extra_args: list[str] = Field(default_factory=list, description="More agent flags, passed verbatim")
+
+    @model_validator(mode="after")
+    def _check_policies(self) -> EngineSpec:
+        check_policies(self.scheduler, self.scheduler_options, self.memory_policy, self.memory_options)
+        return self
 
 
 class SloSpec(CrdModel):

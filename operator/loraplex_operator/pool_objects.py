@@ -100,6 +100,7 @@ def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig)
         "LORAPLEX_MAX_NUM_BATCHED_TOKENS": str(engine.max_num_batched_tokens),
         "LORAPLEX_BLOCK_SIZE": str(engine.block_size),
         "LORAPLEX_SCHEDULER": engine.scheduler,
+        "LORAPLEX_MEMORY_POLICY": engine.memory_policy,
         "LORAPLEX_ADAPTER_DIR": ADAPTERS_DIR,
         "LORAPLEX_MODEL_DIR": MODELS_DIR,
         "HF_HOME": f"{MODELS_DIR}/.hf",
@@ -152,6 +153,13 @@ def agent_args(spec: AdapterPoolSpec) -> list[str]:
         args += ["--max-model-len", "$(LORAPLEX_MAX_MODEL_LEN)"]
     if spec.engine.kv_cache_memory_gib is not None:
         args += ["--kv-cache-memory", "$(LORAPLEX_KV_CACHE_MEMORY)"]
+    args += ["--memory-policy", "$(LORAPLEX_MEMORY_POLICY)"]
+    if not spec.engine.prefix_cache:
+        args.append("--no-prefix-cache")
+    for flag, options in (("--scheduler-option", spec.engine.scheduler_options),
+                          ("--memory-option", spec.engine.memory_options)):
+        for key, value in sorted(options.items()):
+            args += [flag, f"{key}={value}"]
     return args + list(spec.engine.extra_args)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.pool_objects import PoolRef, agent_settings, build_statefulset, pool_objects
@@ -92,3 +93,23 @@ def test_service_is_headless_and_pdb_limits_disruption() -> None:
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["selector"] == pdb["spec"]["selector"]["matchLabels"]
     assert pdb["spec"]["maxUnavailable"] == 2
+
+
+def test_engine_memory_and_policy_options_reach_the_agent_flags() -> None:
+    spec = _spec(engine__memoryPolicy="lru-static", engine__prefixCache=False,
+                 engine__scheduler="chameleon", engine__schedulerOptions={"refresh_s": "60"},
+                 engine__memoryOptions={})
+    args = build_statefulset(REF, spec, CONFIG, replicas=1)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert agent_settings(REF, spec, CONFIG)["LORAPLEX_MEMORY_POLICY"] == "lru-static"
+    assert "--no-prefix-cache" in args
+    assert args[args.index("--scheduler-option") + 1] == "refresh_s=60"
+    defaults = build_statefulset(REF, _spec(), CONFIG, replicas=1)["spec"]["template"]["spec"]["containers"][0]
+    assert "--no-prefix-cache" not in defaults["args"] and "--scheduler-option" not in defaults["args"]
+
+
+@pytest.mark.parametrize("engine", [{"scheduler": "nope"}, {"memoryPolicy": "lru"},
+                                    {"scheduler": "fifo", "schedulerOptions": {"refresh_s": "60"}},
+                                    {"memoryOptions": {"busy": "1.5"}}])
+def test_unknown_policies_and_bad_options_are_refused_with_the_reason(engine) -> None:
+    with pytest.raises(ValueError, match="unknown|memory options|option"):
+        _spec(**{f"engine__{k}": v for k, v in engine.items()})
