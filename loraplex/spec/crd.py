@@ -18,7 +18,6 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from loraplex.engine.policy_check import check_policies
 from loraplex.spec.names import MAX_POOL_NAME_LENGTH, POOL_NAME_PATTERN, is_pool_name
 
 GROUP = "loraplex.io"
@@ -197,11 +196,6 @@ class EngineSpec(CrdModel):
     memory_options: dict[str, str] = Field(default_factory=dict, description="Knobs of the memory policy by "
                                            "name, e.g. busy: '0.9' (--memory-option)")
     extra_args: list[str] = Field(default_factory=list, description="More agent flags, passed verbatim")
-
-    @model_validator(mode="after")
-    def _check_policies(self) -> EngineSpec:
-        check_policies(self.scheduler, self.scheduler_options, self.memory_policy, self.memory_options)
-        return self
 
 
 class SloSpec(CrdModel):

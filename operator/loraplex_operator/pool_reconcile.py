@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from loraplex.engine.policy_check import check_policies
 from loraplex.placement.snapshot import PlacementError
 from loraplex.routing import (
     DEFAULT_WINDOWS,
@@ -87,6 +88,9 @@ def _pool_ref(ref: ObjectRef) -> PoolRef:
     return PoolRef(ref.name, ref.namespace, ref.uid)
 
 
+INVALID_ENGINE = "InvalidEngine"
+
+
 class InvalidPool(Exception):
     """The pool's objects cannot be made as the spec is written (or the API server refused them)."""
 
@@ -98,7 +102,14 @@ class InvalidPool(Exception):
 def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
     """(reason, message) when the spec cannot be served as written; ("", "") when it can."""
     conflicts = volume_conflicts(spec)
-    return (VOLUME_CONFLICT, conflicts) if conflicts else ("", "")
+    if conflicts:
+        return VOLUME_CONFLICT, conflicts
+    engine = spec.engine
+    try:  # the agents would refuse these at start-up, one crash loop per pod
+        check_policies(engine.scheduler, engine.scheduler_options, engine.memory_policy, engine.memory_options)
+    except ValueError as exc:
+        return INVALID_ENGINE, f"engine: {exc}"
+    return "", ""
 
 
 def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps, applied_hash: str = "") -> tuple[int, str]:
