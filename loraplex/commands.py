@@ -31,6 +31,10 @@ def register(registry: CommandRegistry) -> None:
 
     registry.add("bench memory", "memory policies (unified, lru-static, no-cache) on multi-turn chat sessions, "
                  "in the twin and on the real engine", memory_compare.configure, memory_compare.run)
+    from loraplex.sim import scheduler_compare  # argparse and the twin; the engine side is imported when run
+
+    registry.add("bench schedulers", "chameleon, fifo, sjf and vtc at loads relative to FIFO's saturation, "
+                 "in the twin and on the real engine", scheduler_compare.configure, scheduler_compare.run)
     from loraplex.sim import placement_twin_cli as placement_twin  # argparse-only
 
     registry.add("bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",

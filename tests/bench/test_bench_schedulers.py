@@ -1,0 +1,131 @@
+"""`loraplex bench schedulers`: chameleon, fifo, sjf and vtc on one trace at loads relative to FIFO's
+saturation, in the twin and on the real engine; one table per side, JSON, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loraplex.cli import main
+from loraplex.sim.azure import DEFAULT_TRACES_DIR
+from loraplex.sim.profile import load_profile
+from loraplex.sim.replay import register_adapters
+from loraplex.sim.scheduler_compare import (
+    TWIN_STOP_ID,
+    TraceSpec,
+    at_rate,
+    choose_adapters,
+    drive,
+    slo_throughput,
+    unit_trace,
+)
+from loraplex.sim.server import make_sim_engine, sim_prompt
+
+SCHEDULERS = {"chameleon", "fifo", "sjf", "vtc"}
+TINY_TWIN = ["bench", "schedulers", "--side", "twin", "--requests", "60", "--adapters", "10",
+             "--unloaded-requests", "8", "--lengths", "uniform", "--loads", "0.5,1.2"]
+HAS_AZURE = (DEFAULT_TRACES_DIR / "AzureLLMInferenceTrace_conv.csv").is_file()
+
+
+def test_twin_side_runs_every_scheduler_on_the_same_requests(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "schedulers.json"
+    assert main([*TINY_TWIN, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "TTFT p99" in printed and "throughput at the SLO" in printed and "chameleon vs fifo" in printed
+    report = json.loads(out.read_text())
+    [twin] = report["blocks"]
+    assert twin["side"] == "twin" and twin["memory_policy"] == "unified"
+    assert twin["settings"]["profile"] == "whatif-h100-llama8b" and twin["saturation_rps"] > 0
+    assert twin["slo_basis"] == "ttft" and twin["slo_ttft_s"] == pytest.approx(5 * twin["unloaded_mean_s"])
+    runs = twin["runs"]
+    expected = {(load, s): 1 for load in (0.5, 1.2) for s in SCHEDULERS}
+    assert Counter((r["load"], r["scheduler"]) for r in runs) == expected
+    assert len({r["digest"] for r in runs}) == 1  # same ids, adapters, prompts and generated lengths
+    assert all(r["finished"] == r["requests"] == runs[0]["requests"] > 0 for r in runs)
+    assert all(r["p99_ttft_vs_fifo"] == 1.0 for r in runs if r["scheduler"] == "fifo")
+    assert {k["scheduler"] for k in twin["slo_throughput"]} == SCHEDULERS
+    assert all(k["method"] == "search" and k["probes"] for k in twin["slo_throughput"])
+    assert report["goal"]["slo_throughput_ratio"] == 2.0 and report["parameters"]["requests"] == 60
+
+
+@pytest.mark.skipif(not HAS_AZURE, reason="shared/traces is not beside the checkout")
+def test_default_lengths_are_the_azure_conversations(tmp_path: Path) -> None:
+    out = tmp_path / "azure.json"
+    assert main(["bench", "schedulers", "--side", "twin", "--requests", "30", "--adapters", "5",
+                 "--unloaded-requests", "4", "--schedulers", "fifo,chameleon", "--loads", "1",
+                 "--slo-throughput", "grid", "--json", str(out)]) == 0
+    [twin] = json.loads(out.read_text())["blocks"]
+    assert twin["settings"]["spec"]["lengths"] == "azure23_conv"
+    assert {k["method"] for k in twin["slo_throughput"]} == {"grid"}
+
+
+def test_ranks_are_equally_popular_and_zipf_within_a_rank() -> None:
+    ranks = np.repeat([8, 16], 5)
+    chosen = choose_adapters(ranks, (8, 16), 1.0, 20000, np.random.default_rng(0))
+    counts = np.bincount(chosen, minlength=10)
+    assert abs(counts[:5].sum() - counts[5:].sum()) < 600  # 10000 each, give or take
+    assert list(counts[:5]) == sorted(counts[:5], reverse=True)  # most popular first within a rank
+    assert counts[0] / counts[4] == pytest.approx(5, rel=0.2)  # Zipf(1): p_1 / p_5 = 5
+
+
+def test_requests_stop_at_their_trace_length_under_a_context_cap() -> None:
+    profile = load_profile("whatif-h100-llama8b")
+    trace = at_rate(unit_trace(TraceSpec(requests=20, adapters=4, lengths="uniform", seed=3)), 5.0)
+    core, clock = make_sim_engine(profile, profile.engine_config(memory_policy="unified", max_lora_rank=128))
+    ids = register_adapters(core, trace.adapters())
+    log = drive(core, trace, ids, sim_prompt, lambda t: clock.advance(max(0.0, t - clock.now())), "context",
+                TWIN_STOP_ID)
+    lengths = {r.request_id: r for r in trace.requests}
+    for request in log.requests:
+        asked = lengths[request.request_id]
+        assert len(request.output_token_ids) == asked.output_len
+        assert request.sampling.max_tokens == core.config.max_model_len - asked.prompt_len
+
+
+def test_slo_throughput_bisects_between_the_grid_loads() -> None:
+    knee = 0.9  # P99 TTFT is 1 s below 0.9 x saturation and 10 s above
+    result = slo_throughput("x", {0.5: 1.0, 1.2: 10.0}, 2.0, 10.0, lambda load: 1.0 if load <= knee else 10.0)
+    assert result.load == pytest.approx(knee, rel=0.04) and result.load <= knee
+    assert result.rps == pytest.approx(10 * result.load) and not result.capped
+    grid = slo_throughput("x", {0.5: 1.0, 1.2: 1.0}, 2.0, 10.0, None)
+    assert grid.load == 1.2 and grid.capped and grid.method == "grid"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--schedulers", "sjf,vtc"], "must include fifo"),
+    (["--schedulers", "fifo,lottery"], "unknown ['lottery']"),
+    (["--loads", "0,1"], "--loads must be positive"),
+    (["--loads", "half"], "--loads must be comma-separated"),
+    (["--max-tokens", "-3"], "--max-tokens"),
+    (["--scheduler-option", "chameleon:bogus=1"], "unknown scheduler option"),
+    (["--scheduler-option", "slo_s=1"], "SCHED:KEY=VALUE"),
+    (["--memory-policy", "unified,huge"], "--memory-policy"),
+    (["--max-lora-rank", "64"], "at most --max-lora-rank 64"),
+    (["--requests", "0"], "--requests must be positive"),
+    (["--profile", "no-such-profile"], "not found"),
+    (["--lengths", "azure23_conv", "--traces-dir", "/nonexistent"], "not found"),
+])
+def test_bad_input_is_one_line_and_a_nonzero_exit(flags: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    assert main([*TINY_TWIN, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_engine_side_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("torch", reason="the real-engine side needs torch")
+    out = tmp_path / "engine.json"
+    assert main(["bench", "schedulers", "--side", "engine", "--adapters", "3", "--engine-requests", "8",
+                 "--engine-unloaded-requests", "2", "--engine-length-scale", "0.03", "--lengths", "uniform",
+                 "--loads", "1", "--json", str(out)]) == 0
+    assert "scaled DOWN" in capsys.readouterr().out
+    [engine] = json.loads(out.read_text())["blocks"]
+    assert engine["side"] == "engine" and engine["settings"]["emulated_h2d_gbps"] > 0
+    assert {r["scheduler"] for r in engine["runs"]} == SCHEDULERS
+    assert len({r["digest"] for r in engine["runs"]}) == 1
+    assert all(r["finished"] == r["requests"] > 0 for r in engine["runs"])
+    assert all(k["method"] == "grid" for k in engine["slo_throughput"])
