@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +22,7 @@ from typing import Any
 
 from loraplex.cli import CommandError
 from loraplex.engine.config import EngineConfig
+from loraplex.sim.bench_output import write_bench_json
 from loraplex.sim.profile import Profile
 from loraplex.sim.sessions import (
     DEFAULT_RANKS,
@@ -231,14 +230,8 @@ def print_report(report: SideReport) -> None:
 
 
 def write_json(path: Path, args: argparse.Namespace, reports: list[SideReport]) -> None:
-    parameters = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
-    command = ("loraplex bench memory " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "memory"]
-               else " ".join(sys.argv))
-    body = {"command": command, "parameters": parameters, "goal_ratio": GOAL_RATIO, "paper_ratio": PAPER_RATIO,
-            "sides": [asdict(r) for r in reports]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(body, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_bench_json(path, "bench memory", args, {"goal_ratio": GOAL_RATIO, "paper_ratio": PAPER_RATIO,
+                                                   "sides": [asdict(r) for r in reports]})
 
 
 # ---- the command ----------------------------------------------------------------------------

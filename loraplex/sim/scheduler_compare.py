@@ -60,6 +60,7 @@ from loraplex.engine.request import Request, SampledToken
 from loraplex.engine.sampling import SamplingParams
 from loraplex.engine.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
 from loraplex.sim.arrivals import Arrivals, arrival_times
+from loraplex.sim.bench_output import write_bench_json
 from loraplex.sim.capacity import saturation_rps
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.lengths import Lengths, sample_lengths
@@ -674,14 +675,8 @@ def _change(ratio: float | None) -> str:
 
 
 def write_json(path: Path, args: argparse.Namespace, blocks: list[Block]) -> None:
-    parameters = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
-    command = ("loraplex bench schedulers " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "schedulers"]
-               else " ".join(sys.argv))
-    body = {"command": command, "parameters": parameters, "goal": GOAL, "paper": PAPER,
-            "blocks": [asdict(b) for b in blocks]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(body, indent=2, default=str) + "\n")
-    print(f"wrote {path}")
+    write_bench_json(path, "bench schedulers", args, {"goal": GOAL, "paper": PAPER,
+                                                       "blocks": [asdict(b) for b in blocks]})
 
 
 # ---- the command ----------------------------------------------------------------------------

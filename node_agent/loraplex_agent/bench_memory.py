@@ -75,7 +75,7 @@ def run_engine(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
     from loraplex_agent.tiny_model import make_tiny_model
 
     transformers_logging.disable_progress_bar()
-    reference = _reference_profile(args.profile)
+    reference = reference_profile(args.profile)
     args = argparse.Namespace(**vars(args))  # the slot count defaults to the twin's, as a copy
     args.max_loras = args.max_loras or int(reference.engine["max_loras"])
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-memory-") as tmp:
@@ -86,7 +86,7 @@ def run_engine(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
         adapters = _write_adapters(base_dir, workload, Path(tmp) / "adapters", args.seed)
         kv_token, per_rank = model_bytes(config)
         num_blocks = args.engine_num_blocks or scaled_pool(reference, kv_token, per_rank)
-        gbps, calibration = _bandwidth(args, base_dir, adapters, reference, per_rank)
+        gbps, calibration = calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
         report = SideReport("engine", _settings(args, reference, workload, num_blocks, gbps, calibration))
         for variant in chosen:
             print(f"engine: {variant.name} ...", flush=True)
@@ -95,7 +95,7 @@ def run_engine(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
     return report
 
 
-def _reference_profile(name: str) -> Profile:
+def reference_profile(name: str) -> Profile:
     """The twin's profile when it knows copy bandwidth and adapter bytes, else the what-if H100."""
     try:
         profile = load_profile(name)
@@ -141,8 +141,8 @@ def _make_llm(args: argparse.Namespace, base_dir: Path, num_blocks: int, gbps: f
 
 # ---- the emulated bandwidth -------------------------------------------------------------------
 
-def _bandwidth(args: argparse.Namespace, base_dir: Path, adapters: dict[str, Path], reference: Profile,
-               rank_bytes: int) -> tuple[float | None, dict[str, float]]:
+def calibrated_bandwidth(args: argparse.Namespace, base_dir: Path, adapters: dict[str, Path], reference: Profile,
+                         rank_bytes: int) -> tuple[float | None, dict[str, float]]:
     """The emulated bandwidth and how it was chosen; warms the process up (kernels, threads) too."""
     llm = _make_llm(args, base_dir, 256, None)
     name, path = next(iter(adapters.items()))

@@ -70,7 +70,7 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
     from loraplex_agent.tiny_model import make_tiny_model
 
     transformers_logging.disable_progress_bar()
-    reference = bench_memory._reference_profile(args.profile)
+    reference = bench_memory.reference_profile(args.profile)
     args = argparse.Namespace(**vars(args))  # the slot count defaults to the twin's, as a copy
     args.max_loras = args.max_loras or int(reference.engine["max_loras"])
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-schedulers-") as tmp:
@@ -82,7 +82,7 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
         kv_token, per_rank = bench_memory.model_bytes(config)
         num_blocks = args.engine_num_blocks or bench_memory.scaled_pool(reference, kv_token, per_rank)
         # bench memory's calibration (and warm-up), so that both benches emulate the same link
-        gbps, calibration = bench_memory._bandwidth(args, base_dir, adapters, reference, per_rank)
+        gbps, calibration = bench_memory.calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
         side = EngineSide(args, base_dir, adapters, num_blocks, gbps, config.vocab_size)
         return [_policy_block(side, trace, policy, _settings(args, trace, num_blocks, gbps, calibration))
                 for policy in parse_list(args.memory_policy, "--memory-policy", str)]
