@@ -1,12 +1,13 @@
 """The Azure LLM inference traces of 2023 (Splitwise): arrival times and token lengths.
 
-The CSVs live in shared/traces beside the checkout (not in the package), so every reader takes a
-folder argument that defaults to ../shared/traces relative to the repository root.
+The two CSVs ship gzipped inside the package (`loraplex/sim/traces`, CC-BY, attribution in its
+README); every reader also takes a folder of other traces in the same format (`.csv` or `.csv.gz`).
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 SERVICES = ("conv", "code")
-DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+DEFAULT_TRACES_DIR = Path(__file__).resolve().parent / "traces"
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,11 @@ def trace_path(service: str, traces_dir: str | Path | None = None) -> Path:
     if service not in SERVICES:
         raise ValueError(f"unknown Azure trace {service!r}; choose from {SERVICES}")
     folder = Path(traces_dir) if traces_dir is not None else DEFAULT_TRACES_DIR
-    path = folder / f"AzureLLMInferenceTrace_{service}.csv"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; pass --traces-dir pointing at shared/traces")
-    return path
+    for name in (f"AzureLLMInferenceTrace_{service}.csv", f"AzureLLMInferenceTrace_{service}.csv.gz"):
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"{folder / f'AzureLLMInferenceTrace_{service}.csv'} (or .csv.gz) not found; "
+                            "--traces-dir names the folder of the Azure 2023 traces")
 
 
 _CACHE: dict[Path, AzureTrace] = {}
@@ -57,7 +59,8 @@ def load_azure(service: str, traces_dir: str | Path | None = None) -> AzureTrace
 
 def _read(service: str, path: Path) -> AzureTrace:
     times, prompts, outputs = [], [], []
-    with open(path, newline="") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as f:
         for row in csv.DictReader(f):
             times.append(_seconds(row["TIMESTAMP"]))
             prompts.append(int(row["ContextTokens"]))

@@ -36,7 +36,7 @@ def workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     p.add_argument("--rps", type=float, default=None, help="mean requests per second")
     p.add_argument("--adapters", type=int, default=None, help="number of adapters")
-    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default ../shared/traces)")
+    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
 
 
 def generate_args(p: argparse.ArgumentParser) -> None:

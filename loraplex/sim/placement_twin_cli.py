@@ -39,7 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=32, help="--lengths fixed")
     p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default ../shared/traces)")
+    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
     p.add_argument("--out", default=None, help="write every probe and the table as JSON")
 
 

@@ -5,8 +5,7 @@ Workload (`TraceSpec`), the same requests for every scheduler and load:
 - Poisson arrivals (`arrivals.arrival_times`) drawn once at 1 request/s and compressed to each rate,
   so loads differ only in time: request ids, adapters and lengths are the same everywhere;
 - (prompt, output) rows resampled from the Azure 2023 conversation trace (`lengths.sample_lengths`,
-  profile `azure23_conv`; the CSV is read where `azure.load_azure` looks, ../shared/traces unless
-  `--traces-dir`), multiplied by `--length-scale` and shaved to fit the model's context;
+  profile `azure23_conv`; the CSV shipped in the package unless `--traces-dir`), multiplied by `--length-scale` and shaved to fit the model's context;
 - 100 adapters, equal counts per rank of {8, 16, 32, 64, 128} (`workload.adapter_ranks`); a request
   picks its rank uniformly, then an adapter of that rank by Zipf popularity (`popularity.weights`,
   exponent `--zipf`): Chameleon's "uniform rank, power-law within a rank". `WorkloadSpec` cannot say
@@ -441,7 +440,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     w.add_argument("--ranks", default="8,16,32,64,128", help="adapter ranks, equal counts, each rank equally popular")
     w.add_argument("--zipf", type=float, default=1.0, help="popularity exponent over the adapters of one rank")
     w.add_argument("--lengths", choices=["azure23_conv", "azure23_code", "uniform"], default="azure23_conv")
-    w.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default ../shared/traces)")
+    w.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
     t = p.add_argument_group("twin")
     t.add_argument("--profile", default="whatif-h100-llama8b", help="profile name or file")
     t.add_argument("--requests", type=int, default=2000, help="requests of the trace (twin)")

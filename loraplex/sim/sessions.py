@@ -1,6 +1,6 @@
 """Multi-turn chat sessions: a seeded workload, and one driver for the twin and the real engine.
 
-Workload (conventions from ../shared/research/workloads.md):
+Workload (the conventions of multi-turn chat benchmarks on ShareGPT, LMSYS-Chat and WildChat):
 - `num_adapters` adapters (default 100, Chameleon's count), each of a rank drawn uniformly from
   {8, 16, 32, 64, 128}; Zipf popularity (exponent `zipf_s`, default 1.0) over a seeded shuffle of
   them, so popularity does not follow rank (§5, "Chameleon-like point");

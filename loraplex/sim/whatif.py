@@ -1,8 +1,8 @@
 """A what-if GPU profile built from published constants, not from a Loraplex measurement.
 
 The digital-twin paper's public code ships fitted constants for Llama-3.1-8B-Instruct on a 64 GB
-H100 under vLLM 0.8.5 (our notes: /work/shared/papers/digital-twin.md §3.4). They map onto our
-step-latency terms as follows:
+H100 under vLLM 0.8.5 (Agullo et al., "Data-Driven Optimization of GPU efficiency for Distributed
+LLM-Adapter Serving"). They map onto our step-latency terms as follows:
 
 - decode: (c1*B + c2) * (d1*A_B + d2) / 100 ms expands exactly into intercept (c2*d2), batch (c1*d2),
   adapters (c2*d1) and batch_x_adapters (c1*d1);

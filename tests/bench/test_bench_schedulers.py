@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from loraplex.cli import main
-from loraplex.sim.azure import DEFAULT_TRACES_DIR
 from loraplex.sim.profile import load_profile
 from loraplex.sim.replay import register_adapters
 from loraplex.sim.scheduler_compare import (
@@ -28,7 +27,6 @@ from loraplex.sim.server import make_sim_engine, sim_prompt
 SCHEDULERS = {"chameleon", "fifo", "sjf", "vtc"}
 TINY_TWIN = ["bench", "schedulers", "--side", "twin", "--requests", "60", "--adapters", "10",
              "--unloaded-requests", "8", "--lengths", "uniform", "--loads", "0.5,1.2"]
-HAS_AZURE = (DEFAULT_TRACES_DIR / "AzureLLMInferenceTrace_conv.csv").is_file()
 
 
 def test_twin_side_runs_every_scheduler_on_the_same_requests(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -52,7 +50,6 @@ def test_twin_side_runs_every_scheduler_on_the_same_requests(tmp_path: Path, cap
     assert report["goal"]["slo_throughput_ratio"] == 2.0 and report["parameters"]["requests"] == 60
 
 
-@pytest.mark.skipif(not HAS_AZURE, reason="shared/traces is not beside the checkout")
 def test_default_lengths_are_the_azure_conversations(tmp_path: Path) -> None:
     out = tmp_path / "azure.json"
     assert main(["bench", "schedulers", "--side", "twin", "--requests", "30", "--adapters", "5",

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from loraplex.sim.arrivals import Arrivals, Diurnal, arrival_times
-from loraplex.sim.azure import DEFAULT_TRACES_DIR, load_azure
+from loraplex.sim.azure import load_azure
 from loraplex.sim.drift import Drift, RandomWalk, Surge
 from loraplex.sim.lengths import Lengths, sample_lengths
 from loraplex.sim.popularity import Popularity, punica_batch_counts, weights
 from loraplex.sim.trace import Trace, TraceRequest, read_trace, write_trace
 from loraplex.sim.workload import Adapters, WorkloadSpec, adapter_ranks, generate
 
-needs_traces = pytest.mark.skipif(not (DEFAULT_TRACES_DIR / "AzureLLMInferenceTrace_conv.csv").is_file(),
-                                  reason="shared/traces is not beside the checkout")
 FIXED = Lengths(profile="fixed")
 
 
@@ -50,7 +49,6 @@ def test_diurnal_rate_keeps_the_mean_and_the_peak_to_trough():
     assert 2.0 < counts.max() / counts.min() < 4.0
 
 
-@needs_traces
 def test_joint_resample_reproduces_the_azure_quantiles():
     lengths = Lengths(profile="azure23_conv", max_model_len=100_000)
     prompt, output = sample_lengths(lengths, 100_000, np.random.default_rng(4))
@@ -105,7 +103,6 @@ def test_rank_mix_and_determinism(tmp_path):
     assert WorkloadSpec.model_validate(again.workload) == spec
 
 
-@needs_traces
 def test_replay_scales_the_azure_hour_to_the_target_rate():
     spec = WorkloadSpec(duration_s=600, rps=2.0, arrivals=Arrivals(process="replay", replay_service="code"),
                         lengths=Lengths(profile="replay", max_model_len=100_000), adapters=Adapters(count=4))
@@ -123,3 +120,15 @@ def test_bad_traces_get_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="rank must be 0 exactly when adapter is null"):
         TraceRequest("x", 0.0, None, 8, 1, 1)
     assert Trace([TraceRequest("b", 2.0, "a", 8, 1, 1), TraceRequest("c", 1.0, None, 0, 1, 1)]).duration_s == 2.0
+
+
+@pytest.mark.parametrize("service", ["conv", "code"])
+def test_the_shipped_traces_are_the_published_csvs(service):
+    source = Path(__file__).resolve().parents[3] / "shared" / "traces" / f"AzureLLMInferenceTrace_{service}.csv"
+    if not source.is_file():
+        pytest.skip("the published CSVs are not beside the checkout to compare with")
+    shipped = load_azure(service)
+    published = load_azure(service, source.parent)
+    assert len(shipped) == len(published) > 1000
+    assert (shipped.prompt_len == published.prompt_len).all() and (shipped.output_len == published.output_len).all()
+    assert (shipped.arrival_s == published.arrival_s).all()
