@@ -67,9 +67,9 @@ class UnifiedMemory(PagedMemory):
         queued = node.kind is NodeKind.ADAPTER and self.queued(node.key)
         return (queued, self._score(node), node.last_access)
 
-    def _make_room(self, pages: int, for_running: bool = False) -> bool:
+    def _make_room(self, pages: int) -> bool:
         self._score_context = self._context()
-        return super()._make_room(pages, for_running)
+        return super()._make_room(pages)
 
     def _context(self) -> tuple:
         adapters = [n for n in self.tree.adapter_nodes() if not n.is_base]

@@ -50,6 +50,7 @@ class PagedMemory:
         self.host = PagePool(config.num_host_blocks) if config.num_host_blocks > 0 else None
         self.tree = DependencyTree(config.block_size, clock)
         self.keeps_prefixes = config.prefix_cache
+        self._evict_batch = max(1, config.num_blocks // 64)  # pages freed at least when KV runs short
         self.adapter_pages_of = adapter_pages
         self.infos: dict[AdapterId, AdapterInfo] = {}
         self.queued: Callable[[AdapterId], bool] = lambda adapter: False  # set by the scheduler
@@ -249,8 +250,11 @@ class PagedMemory:
         if request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
             return True  # the common decode step: the last block still has room
         needed = blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(request.block_ids)
-        if self.pool.num_free < needed and not self._make_room(needed - self.pool.num_free, for_running=True):
-            return False
+        if self.pool.num_free < needed:
+            # a full pool of cache would otherwise rebuild the eviction heap for every new block
+            self._make_room(max(needed - self.pool.num_free, self._evict_batch))
+            if self.pool.num_free < needed:
+                return False
         request.block_ids.extend(self.pool.allocate(needed, PageKind.KV))
         return True
 
@@ -303,7 +307,7 @@ class PagedMemory:
         return self.pool.num_free + sum(len(n.device_pages) for n in self.tree.evictable_device_leaves()
                                         if self._evictable(n))
 
-    def _make_room(self, pages: int, for_running: bool = False) -> bool:
+    def _make_room(self, pages: int) -> bool:
         """Evict unlocked device leaves in the policy's order until `pages` more pages are free."""
         tiebreak = count()
         heap = [(self._eviction_key(n), next(tiebreak), n) for n in self.tree.evictable_device_leaves()
