@@ -1,7 +1,7 @@
-"""Which adapters sit in device slots: a policy behind a Protocol.
+"""Fixed adapter slots with LRU replacement: what the `lru-static` memory policy keeps its adapters in.
 
-The scheduler asks for a slot when it admits a request and releases it when the request leaves
-the running set. An adapter with running requests is never evicted.
+A request takes a slot when it is admitted and gives it back when it leaves the running set. An
+adapter with running requests is never evicted.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
 from loraplex.spec.adapter import AdapterId
 
@@ -19,29 +18,6 @@ class SlotGrant:
     slot: int
     loaded: bool  # True when the adapter must be copied into the slot before it is used
     evicted: AdapterId | None = None
-
-
-class AdapterResidency(Protocol):
-    num_slots: int
-
-    def acquire(self, adapter: AdapterId) -> SlotGrant | None:
-        """Pin `adapter` in a slot for one more request; None when every slot is pinned."""
-
-    def release(self, adapter: AdapterId) -> None:
-        """One request of `adapter` left the running set."""
-
-    def can_acquire(self, adapter: AdapterId) -> bool:
-        """Whether `acquire(adapter)` would succeed now; changes nothing."""
-
-    def pins(self, adapter: AdapterId) -> int:
-        """Running requests that hold `adapter`'s slot."""
-
-    def slot_of(self, adapter: AdapterId) -> int | None: ...
-
-    def retire(self, adapter: AdapterId) -> int | None:
-        """Forget `adapter` once no request uses it; returns the slot it freed, if any now."""
-
-    def resident(self) -> list[AdapterId]: ...
 
 
 class LruResidency:
@@ -99,13 +75,3 @@ class LruResidency:
 
     def resident(self) -> list[AdapterId]:
         return list(self._slots)
-
-
-RESIDENCY_POLICIES = {"lru": LruResidency}
-
-
-def make_residency(name: str, num_slots: int) -> AdapterResidency:
-    try:
-        return RESIDENCY_POLICIES[name](num_slots)
-    except KeyError:
-        raise ValueError(f"unknown adapter residency policy {name!r}; choose from {sorted(RESIDENCY_POLICIES)}") from None

@@ -17,7 +17,7 @@ class EngineConfig:
     max_lora_rank: int = 64
     scheduler: str = "fifo"  # fifo, sjf, vtc or chameleon (loraplex.engine.schedulers)
     scheduler_options: dict[str, Any] = field(default_factory=dict)  # the scheduler's knobs by name
-    residency: str = "lru"
+    residency: str = "lru"  # read by nothing now: kept so that profiles written with it still load
     memory_policy: str = "unified"  # unified, lru-static or no-cache (loraplex.engine.memory_policies)
     prefix_cache: bool = True  # reuse KV of earlier requests of the same adapter (unified only)
     num_host_blocks: int = 0  # host-tier KV blocks for swapped-out prefixes; 0 drops evicted KV
