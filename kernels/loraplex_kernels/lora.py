@@ -16,14 +16,21 @@ batch's largest rank or to a power of two, so a step costs the sum of its adapte
 they use and, for the fused C++ kernel, the step's int64 tables; `LoraGroup` describes a fused
 projection (built once per model).
 
-Backends (`LORAPLEX_LORA_KERNEL`): `auto` (default) uses the fused C++ kernel
-(`loraplex_kernels.cpu_lora`, one call per fused group, streaming the weights at memory bandwidth)
-for float32 tensors on the CPU when it builds, else the torch reference; `reference` always uses
-the torch reference; `cpu` requires the C++ kernel for CPU float32 and raises if it cannot be built.
+Backends (`LORAPLEX_LORA_KERNEL`): `auto` (default) uses the Triton kernels
+(`loraplex_kernels.triton_lora`, SGMV for prefill, one program per row for decode) on CUDA, the
+fused C++ kernel (`loraplex_kernels.cpu_lora`, one call per fused group, streaming the weights at
+memory bandwidth) for float32 tensors on the CPU when it builds, else the torch reference;
+`reference` always uses the torch reference; `cpu` requires the C++ kernel for CPU float32 and
+raises if it cannot be built; `triton` forces the Triton kernels (on the CPU only under
+`TRITON_INTERPRET=1`, for tests). Triton is imported at its first use only, so CPU serving never
+imports it. Both kernels read the same step tables (`LoraBatch.kernel_tables`, copied once per
+device by `LoraBatch.device_tables`).
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from array import array
 from collections.abc import Mapping, Sequence
@@ -43,7 +50,10 @@ from loraplex_kernels.lora_pages import (
 )
 
 BACKEND_ENV = "LORAPLEX_LORA_KERNEL"
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "triton")
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+log = logging.getLogger(__name__)
 
 # the C++ kernel's segment table: these columns, then MODULE_COLUMNS per module of LORA_MODULES
 SEGMENT_COLUMNS = ("row_start", "row_end", "rank", "row_len", "page_offset", "page_count")
@@ -71,6 +81,18 @@ class LoraGroup:
         """int64 [modules, 3] on the CPU: (canonical module index, first column, out features)."""
         rows = zip(group_modules(self.modules), self.columns, self.out_features, strict=True)
         return torch.tensor(list(rows), dtype=torch.int64).view(len(self.modules), 3)
+
+    @cached_property
+    def _on_device(self) -> dict[torch.device, torch.Tensor]:
+        return {}
+
+    def device_table(self, device: torch.device) -> torch.Tensor:
+        """`table` on `device`, copied once per device (a model's groups live as long as it does)."""
+        if device.type == "cpu":
+            return self.table
+        if device not in self._on_device:
+            self._on_device[device] = self.table.to(device)
+        return self._on_device[device]
 
 
 @dataclass(frozen=True)
@@ -134,6 +156,41 @@ class LoraBatch:
         width = len(SEGMENT_COLUMNS) + len(LORA_MODULES) * len(MODULE_COLUMNS)
         return _int64(rows).view(len(self.segments), width), _int64(pages)
 
+    @cached_property
+    def _on_device(self) -> dict[torch.device, tuple[torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kernel_tables` on `device`: copied once per step and device, then read by every layer."""
+        if device.type == "cpu":
+            return self.kernel_tables
+        if device not in self._on_device:
+            self._on_device[device] = tuple(t.to(device) for t in self.kernel_tables)
+        return self._on_device[device]
+
+    @cached_property
+    def max_rank(self) -> int:
+        """The largest rank of the adapters used (sizes the Triton kernels' shrink buffer)."""
+        return max((adapter.rank for adapter in self.adapters.values()), default=0)
+
+    @cached_property
+    def max_segment_rows(self) -> int:
+        """Rows of the longest segment (sizes the Triton prefill grid; 1 means a decode step)."""
+        return max((s.row_end - s.row_start for s in self.segments), default=0)
+
+    @cached_property
+    def _fitted(self) -> set[tuple[LoraGroup, int]]:
+        return set()
+
+    def check_fits(self, group: LoraGroup, in_features: int) -> None:
+        """Raise ValueError if an adapter's module shapes do not fit the layer (what the reference
+        checks per call); checked once per group and width for the step, on the host."""
+        if (group, in_features) in self._fitted:
+            return
+        for adapter in self.adapters.values():
+            _wrapped_spans(adapter, group, in_features)
+        self._fitted.add((group, in_features))
+
 
 def _int64(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array("q", values), dtype=torch.int64) if values else torch.zeros(0, dtype=torch.int64)
@@ -144,10 +201,13 @@ def lora_linear_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group:
     """Add every segment's LoRA term of `group` to `y` [tokens, sum(out)] in place; `x` is
     [tokens, in]; the adapters are read from this layer's KV pool (`k_cache`, `v_cache`).
 
-    The fused C++ kernel on CPU float32 tensors where it is available, else the torch reference
-    (see the module docstring for `LORAPLEX_LORA_KERNEL`).
+    The Triton kernels on CUDA, the fused C++ kernel on CPU float32 tensors where it is available,
+    else the torch reference (see the module docstring for `LORAPLEX_LORA_KERNEL`).
     """
     if batch.is_empty:
+        return
+    if _use_triton(y, x, k_cache):
+        _triton_lora_delta(y, x, batch, group, k_cache, v_cache)
         return
     kernel = _cpu_kernel(y, x, k_cache)
     if kernel is None:
@@ -159,10 +219,11 @@ def lora_linear_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group:
 
 
 def prepare_lora_backend(device: torch.device, dtype: torch.dtype) -> None:
-    """Build the fused CPU kernel now, at startup, when this device and dtype will use it, so the
-    one-time compile never lands inside a request."""
+    """Build the fused CPU kernel (or import Triton) now, at startup, when this device and dtype
+    will use it, so the one-time compile or import never lands inside a request."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    _cpu_kernel(probe, probe, probe)
+    if not _use_triton(probe, probe, probe):
+        _cpu_kernel(probe, probe, probe)
 
 
 def lora_backend() -> str:
@@ -185,11 +246,49 @@ def _cpu_kernel(y: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor) -> Modu
     return kernel
 
 
+_triton_state: dict[str, ModuleType | str | None] = {"module": None, "reason": None}
+
+
+def _triton() -> ModuleType | None:
+    """`loraplex_kernels.triton_lora`, imported at first use; None (logged once) without Triton."""
+    if _triton_state["module"] is None and _triton_state["reason"] is None:
+        try:
+            _triton_state["module"] = importlib.import_module("loraplex_kernels.triton_lora")
+        except ImportError as error:
+            _triton_state["reason"] = f"{type(error).__name__}: {error}"
+            log.warning("Triton LoRA kernels unavailable, using the torch reference: %s", _triton_state["reason"])
+    module = _triton_state["module"]
+    return module if isinstance(module, ModuleType) else None
+
+
+def _use_triton(y: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """`triton` always (it raises later if it cannot run); `auto` on CUDA when Triton imports and
+    the dtypes are its own."""
+    backend = lora_backend()
+    if backend == "triton":
+        if _triton() is None:
+            raise RuntimeError(f"{BACKEND_ENV}=triton but Triton is unavailable: {_triton_state['reason']}")
+        return True
+    return (backend == "auto" and x.device.type == "cuda" and x.dtype in TRITON_DTYPES
+            and x.dtype == y.dtype == k_cache.dtype and _triton() is not None)
+
+
+def _triton_lora_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group: LoraGroup,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The Triton kernels over the step's tables on x's device; decode when no segment has two rows."""
+    batch.check_fits(group, x.shape[1])
+    segments, pages = batch.device_tables(x.device)
+    kernels = _triton()
+    assert kernels is not None  # _use_triton checked
+    kernels.triton_lora_delta(y, x, segments, pages, group.device_table(x.device), k_cache, v_cache,
+                              batch.max_rank, max_rows=batch.max_segment_rows)
+
+
 def reference_lora_delta(y: torch.Tensor, x: torch.Tensor, batch: LoraBatch, group: LoraGroup,
                          k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Torch reference of `lora_linear_delta`: per segment, gather the adapter's rows from its
-    pages, then per wrapped module one shrink and one expand, accumulated in float32 (a Triton
-    kernel replaces this on the GPU later)."""
+    pages, then per wrapped module one shrink and one expand, accumulated in float32 (the Triton
+    kernels replace this on the GPU)."""
     for segment in batch.segments:
         adapter = batch.adapters[segment.adapter]
         wrapped = _wrapped_spans(adapter, group, x.shape[1])

@@ -17,7 +17,7 @@ Pure torch: the engine side (host adapters, handles) lives in `loraplex_agent.mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -149,11 +149,12 @@ def adapter_rows(weights: LoraWeights, layer: int, layout: RowLayout, rank: int,
 
 
 def write_adapter(kv_caches: Sequence[KVCache], pages: Sequence[int], weights: LoraWeights, scaling: float,
-                  layout: RowLayout, rank: int) -> int:
+                  layout: RowLayout, rank: int, on_layer: Callable[[int, int], None] | None = None) -> int:
     """Write one adapter into `pages` of every layer: the host->device copy; returns the bytes
     moved. Safe to call from another thread (it touches only the adapter's own pages). Per layer
     the rows are laid out on the host, padded to whole pages, and copied in one transfer, then
-    scattered into the K and V halves of the pages by two index copies."""
+    scattered into the K and V halves of the pages by two index copies; `on_layer(layer, bytes so
+    far)` runs after each layer's copy is queued (layer-by-layer loading waits there)."""
     if not kv_caches:
         return 0
     k0 = kv_caches[0][0]
@@ -169,6 +170,8 @@ def write_adapter(kv_caches: Sequence[KVCache], pages: Sequence[int], weights: L
         halves = flat.to(k_cache.device).view(needed, 2, elements // 2)
         k_cache.view(k_cache.shape[0], -1).index_copy_(0, index, halves[:, 0])
         v_cache.view(v_cache.shape[0], -1).index_copy_(0, index, halves[:, 1])
+        if on_layer is not None:
+            on_layer(layer, (layer + 1) * needed * elements * k0.element_size())
     return needed * elements * k0.element_size() * len(kv_caches)
 
 

@@ -22,6 +22,9 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse KV of earlier requests of the same adapter (unified only)
     num_host_blocks: int = 0  # host-tier KV blocks for swapped-out prefixes; 0 drops evicted KV
     memory_options: dict[str, Any] = field(default_factory=dict)  # the memory policy's knobs by name
+    # admit a request whose adapter is still being copied in: the executor computes its LoRA terms
+    # on the CPU for the layers not on the device yet (Toppings); only with background loads
+    cpu_assist: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "num_blocks", "max_num_seqs",

@@ -126,6 +126,11 @@ class PagedMemory:
 
     # ---- adapters -------------------------------------------------------------------------------
 
+    @property
+    def assists_loads(self) -> bool:
+        """A request may run while its adapter is copied in (the executor assists from the CPU)."""
+        return self.config.cpu_assist and self.async_loads
+
     def holds(self, adapter: AdapterId) -> bool:
         node = self.tree.adapter_node(adapter)
         return node is not None and node.tier is Tier.DEVICE
@@ -138,9 +143,11 @@ class PagedMemory:
 
     def can_acquire(self, adapter: AdapterId) -> bool:
         node = self.tree.adapter_node(adapter)
-        if node is None or node.tier is not Tier.HOST:
-            return node is not None and node.tier is Tier.DEVICE
-        return self._reclaimable() >= node.size
+        if node is None:
+            return False
+        if node.tier is Tier.HOST:
+            return self._reclaimable() >= node.size
+        return node.tier is Tier.DEVICE or (node.tier is Tier.LOADING and self.assists_loads)
 
     def acquire_adapter(self, adapter: AdapterId) -> int | None:
         node = self.tree.adapter_node(adapter)
@@ -148,7 +155,7 @@ class PagedMemory:
             raise ValueError(f"adapter {adapter} is not registered with the memory policy")
         if node.tier is Tier.HOST:
             self._load(node, on_demand=True)
-        if node.tier is not Tier.DEVICE:
+        if node.tier is not Tier.DEVICE and not (node.tier is Tier.LOADING and self.assists_loads):
             return None  # its copy is in flight (or no memory yet): asked again next step
         self.counts["adapter_queries"] += 1  # once per admission, not on every try
         if adapter in self._fresh:

@@ -148,7 +148,7 @@ def calibrated_bandwidth(args: argparse.Namespace, base_dir: Path, adapters: dic
     name, path = next(iter(adapters.items()))
     llm.add_adapter(name, path)
     llm.generate([[5] * 16], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), adapters=[name])
-    decode_s = _decode_step_seconds(llm)
+    decode_s = decode_step_seconds(llm)
     if llm.executor.device.type == "cuda" and args.emulate_h2d_gbps is None:
         return None, {"decode_step_s": decode_s}
     ref_decode_s = reference.step_seconds(StepFeatures(batch=1, adapters=1, decodes=1))
@@ -159,7 +159,7 @@ def calibrated_bandwidth(args: argparse.Namespace, base_dir: Path, adapters: dic
                   "reference_h2d_gbps": ref.h2d_gbps, "calibrated_gbps": calibrated}
 
 
-def _decode_step_seconds(llm: LLM) -> float:
+def decode_step_seconds(llm: LLM) -> float:
     """Median seconds per output token of one base-model request (batch 1), over a few passes."""
     sampling = SamplingParams(max_tokens=CALIBRATION_TOKENS, ignore_eos=True, temperature=0.0)
     per_token = []

@@ -160,6 +160,17 @@ class CopyEngine:
             self._stats.emulated_s += slept
         return slept
 
+    def settle(self, nbytes: int, since: float) -> None:
+        """Inside a job (on the worker): return once the job's first `nbytes`, queued since
+        `since` (perf_counter), are on the device. On CUDA that waits for the side stream; under
+        the emulation it sleeps until they would have arrived at the emulated bandwidth. A job
+        that loads layer by layer calls this after each layer before saying the layer arrived."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        slept = _sleep(self._charge_s(nbytes) - (time.perf_counter() - since))
+        with self._lock:
+            self._stats.emulated_s += slept
+
     def run_sync(self, fn: CopyFn) -> int:
         """Run a copy now, on the calling thread and the current stream (ordered before the step's
         compute), charge it with `charge_sync` and return its bytes. For synchronous adapter loads

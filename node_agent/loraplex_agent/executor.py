@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from loraplex_kernels.attention import AttentionBatch, PrefillChunk, decode_key_mask
+from loraplex_kernels.attention import AttentionBatch, build_attention_batch
 from loraplex_kernels.lora import LoraBatch, prepare_lora_backend
 from loraplex_kernels.lora_pages import AdapterPages
 
@@ -25,6 +25,13 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.messages import NO_ADAPTER_SLOT, ExecutorResult, ScheduledChunk, SchedulerOutput
 from loraplex.spec.adapter import AdapterId
 from loraplex_agent.copy_engine import CopyEngine, CopyJobError
+from loraplex_agent.cpu_assist import (
+    AssistedAdapter,
+    CpuAssist,
+    LayerProgress,
+    StepAssist,
+    default_assist_workers,
+)
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.host_kv import HostKVPool
 from loraplex_agent.model.llama import ForwardBatch, LlamaModel
@@ -39,7 +46,8 @@ GetAdapter = Callable[[AdapterId], HostAdapter]
 class TorchExecutor:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, get_adapter: GetAdapter, model_dir: str | Path | None = None,
-                 seed: int | None = None, emulate_h2d_gbps: float | None = None) -> None:
+                 seed: int | None = None, emulate_h2d_gbps: float | None = None,
+                 cpu_assist_workers: int | None = None) -> None:
         self.model_config = model_config
         self.config = engine_config
         self.device = device
@@ -54,6 +62,9 @@ class TorchExecutor:
         self.host_kv = HostKVPool.like(self.kv_caches, engine_config.num_host_blocks) if engine_config.num_host_blocks else None
         self.copies = CopyEngine(device, emulate_h2d_gbps=emulate_h2d_gbps)
         self._loading: dict[int, tuple[int, AdapterPages]] = {}  # job -> (handle, adapter) of a background load
+        # CPU-assisted LoRA for requests whose adapter is still being copied in (EngineConfig.cpu_assist)
+        self.assist = CpuAssist(cpu_assist_workers or default_assist_workers()) if engine_config.cpu_assist else None
+        self._assisted: dict[int, AssistedAdapter] = {}  # handle -> an adapter loading layer by layer
         self._load_seconds: deque[float] = deque(maxlen=10_000)  # drained by /metrics from another thread
         self.sampler = Sampler(device, seed)
         self.capture_logits = False  # tests: keep every sampled row's raw logits per request
@@ -81,6 +92,8 @@ class TorchExecutor:
 
     def close(self) -> None:
         self.copies.close()
+        if self.assist is not None:
+            self.assist.close()
 
     def drain_load_seconds(self) -> list[float]:
         """Seconds each adapter load took since the last call, from the step that started it to its
@@ -113,8 +126,13 @@ class TorchExecutor:
                                                               output.kv_swap_out))
         for handle in output.adapter_evictions:
             self.adapters.resident.pop(handle, None)
+            self._assisted.pop(handle, None)
         for load in output.adapter_loads:
-            record, write = self.adapters.copy_job(self.get_adapter(load.adapter), load.pages)
+            host = self.get_adapter(load.adapter)
+            if load.asynchronous and self.assist is not None:
+                record, write = self._layered_copy(load.slot, host, load.pages)
+            else:
+                record, write = self.adapters.copy_job(host, load.pages)
             if load.asynchronous:
                 self._loading[load.job] = (load.slot, record)
                 self.copies.submit(load.job, write)
@@ -133,9 +151,33 @@ class TorchExecutor:
             loaded = self._loading.pop(done.job_id, None)
             if loaded is not None:
                 self.adapters.resident[loaded[0]] = loaded[1]
+                self._assisted.pop(loaded[0], None)
                 self._load_seconds.append(done.queued_s + done.seconds)
             result.copies_done.append(done.job_id)
             result.copy_bytes += done.nbytes
+
+    def _layered_copy(self, handle: int, host: HostAdapter, pages: list[int]) -> tuple[AdapterPages, Callable[[], int]]:
+        """An adapter copy that says when each layer is on the device, so requests can run while it
+        loads: their LoRA terms come from the CPU for the layers not there yet."""
+        progress = LayerProgress(self.model_config.num_hidden_layers)
+        began = [0.0]
+
+        def arrived(layer: int, nbytes: int) -> None:
+            self.copies.settle(nbytes, began[0])
+            progress.mark(layer)
+
+        record, write = self.adapters.copy_job(host, pages, on_layer=arrived)
+        self._assisted[handle] = AssistedAdapter.of(host, record, progress)
+
+        def job() -> int:
+            began[0] = time.perf_counter()
+            try:
+                return write()
+            except BaseException:
+                progress.fail()  # wakes an assisted layer waiting for the copy
+                raise
+
+        return record, job
 
     def _row_order(self, chunk: ScheduledChunk) -> tuple[bool, int, int]:
         """Decode rows first, then prefill chunks; each part grouped by adapter handle."""
@@ -165,23 +207,28 @@ class TorchExecutor:
             if chunk.num_tokens > 1:
                 prefills.append((row, chunk))
         decodes = [c for c in chunks if c.num_tokens == 1]
+        lora, assist = self._lora_batch(row_slots)
         return ForwardBatch(
             input_ids=self._tensor(ids), positions=self._tensor(positions),
-            attention=self._attention_batch(slots, decodes, prefills),
-            lora=LoraBatch.from_row_adapters(row_slots, self.adapters.resident, no_adapter=NO_ADAPTER_SLOT),
-            sample_rows=self._tensor(sample_rows))
+            attention=self._attention_batch(slots, decodes, prefills), lora=lora,
+            sample_rows=self._tensor(sample_rows), assist=assist)
+
+    def _lora_batch(self, row_slots: list[int]) -> tuple[LoraBatch, StepAssist | None]:
+        """The step's LoRA segments; adapters still loading layer by layer get CPU assistance."""
+        if not self._assisted:
+            return LoraBatch.from_row_adapters(row_slots, self.adapters.resident, no_adapter=NO_ADAPTER_SLOT), None
+        adapters = {**self.adapters.resident, **{h: a.record for h, a in self._assisted.items()}}
+        lora = LoraBatch.from_row_adapters(row_slots, adapters, no_adapter=NO_ADAPTER_SLOT)
+        assist = StepAssist(lora, self._assisted, self.assist)
+        return lora, (assist if assist.assisted else None)
 
     def _attention_batch(self, slots: list[int], decodes: list[ScheduledChunk],
                          prefills: list[tuple[int, ScheduledChunk]]) -> AttentionBatch:
-        tables = masks = None
-        if decodes:
-            width = max(len(c.block_ids) for c in decodes)
-            tables = self._tensor([c.block_ids + [0] * (width - len(c.block_ids)) for c in decodes])
-            context_lens = self._tensor([c.start_position + 1 for c in decodes])
-            masks = decode_key_mask(context_lens, width * self.config.block_size)
-        chunks = [PrefillChunk(row, row + c.num_tokens, c.start_position, self._tensor(c.block_ids))
-                  for row, c in prefills]
-        return AttentionBatch(self._tensor(slots), len(decodes), tables, masks, chunks)
+        """Chunk rows follow the decode rows in order, as `build_attention_batch` lays them out."""
+        return build_attention_batch(
+            slots, [c.block_ids for c in decodes], [c.start_position + 1 for c in decodes],
+            [(c.num_tokens, c.start_position, c.block_ids) for _, c in prefills], self.config.block_size,
+            self.device)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -48,6 +48,7 @@ class LLM:
                    num_host_blocks=getattr(args, "num_host_blocks", None),
                    memory_options=parse_scheduler_options(getattr(args, "memory_option", None) or []),
                    emulate_h2d_gbps=getattr(args, "emulate_h2d_gbps", None),
+                   cpu_assist={"on": True, "off": False}.get(getattr(args, "cpu_assist", "auto")),
                    served_model_name=getattr(args, "served_model_name", None),
                    threads=getattr(args, "threads", None))
 
@@ -58,6 +59,7 @@ class LLM:
                  scheduler: str = "fifo", scheduler_options: dict | None = None,
                  memory_policy: str = "unified", prefix_cache: bool = True, num_host_blocks: int | None = None,
                  memory_options: dict | None = None, emulate_h2d_gbps: float | None = None,
+                 cpu_assist: bool | None = None, cpu_assist_workers: int | None = None,
                  served_model_name: str | None = None,
                  seed: int | None = None, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
@@ -79,11 +81,12 @@ class LLM:
             max_lora_rank=max_lora_rank, scheduler=scheduler, scheduler_options=dict(scheduler_options or {}),
             memory_policy=memory_policy, prefix_cache=prefix_cache,
             num_host_blocks=blocks if num_host_blocks is None else num_host_blocks,
-            memory_options=dict(memory_options or {}))
+            memory_options=dict(memory_options or {}),
+            cpu_assist=resolve_cpu_assist(cpu_assist, torch_device, emulate_h2d_gbps))
         self.adapters = AdapterStore()
         self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
                                       self.adapters.get, model_dir=self.model_dir, seed=seed,
-                                      emulate_h2d_gbps=emulate_h2d_gbps)
+                                      emulate_h2d_gbps=emulate_h2d_gbps, cpu_assist_workers=cpu_assist_workers)
         self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
@@ -146,6 +149,12 @@ class LLM:
             adapter_id = host.id
         return Request(request_id=f"llm-{next(self._request_ids)}", prompt_token_ids=token_ids,
                        sampling=sampling, adapter=adapter_id, eos_token_ids=self.eos_token_ids)
+
+
+def resolve_cpu_assist(asked: bool | None, device: torch.device, emulate_h2d_gbps: float | None) -> bool:
+    """None (auto): on where copies cost time, on CUDA or under the emulated copy bandwidth; on a
+    plain CPU host a copy is a memcpy and assisting would only add work."""
+    return asked if asked is not None else (device.type == "cuda" or emulate_h2d_gbps is not None)
 
 
 def resolve_max_model_len(config: ModelConfig, requested: int | None) -> int:

@@ -4,20 +4,11 @@ forced preemption. Greedy tokens must equal the oracle's and every step's logits
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from loraplex_agent.llm import LLM
+from oracle_cases import GREEDY, MIX, prompts
 
 from loraplex.engine.sampling import SamplingParams
-
-MIX = ["lora00-r8", "lora01-r16", "lora03-r64", None, "lora04-r8", "lora03-r64"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 8000) for _ in range(n)] for n in lengths]
 
 
 def make_llm(tiny_model, **engine) -> LLM:

@@ -8,6 +8,7 @@ gate_up), so a layer runs four matmuls. Each fused projection adds its segmented
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from loraplex_kernels.attention import AttentionBatch, paged_attention, write_kv
 from loraplex_kernels.lora import LoraBatch, LoraGroup, lora_linear_delta
 
 from loraplex.spec.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from loraplex_agent.cpu_assist import StepAssist
 
 
 @dataclass
@@ -28,6 +32,29 @@ class ForwardBatch:
     attention: AttentionBatch
     lora: LoraBatch
     sample_rows: torch.Tensor  # [num_sampled] long: rows whose next-token logits are wanted
+    assist: StepAssist | None = None  # adapters still being copied in, helped by the CPU
+
+
+class LayerLora:
+    """One layer's projections with their LoRA terms: the device kernel for adapters whose weights
+    of this layer are on the device and, for an adapter still being copied in, CPU-computed terms
+    (`loraplex_agent.cpu_assist`) started before the base matmul so the two overlap."""
+
+    def __init__(self, batch: ForwardBatch, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.layer = layer
+        self.kv_cache = kv_cache
+        self.assist = batch.assist
+        self.waiting = self.assist.waiting(layer) if self.assist is not None else []
+        self.device_lora = self.assist.device_lora(self.waiting) if self.waiting else batch.lora
+
+    def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: LoraGroup) -> torch.Tensor:
+        pending = self.assist.start(x, self.layer, group, self.waiting) if self.waiting else None
+        y = F.linear(x, weight, bias)
+        lora_linear_delta(y, x, self.device_lora, group, *self.kv_cache)
+        if pending:
+            self.assist.finish(pending, y, x, self.layer, group, self.kv_cache)
+        return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,13 +104,13 @@ class DecoderLayer:
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = h + self._attention(rms_norm(h, self.input_norm, self.eps), batch, rope, kv_cache)
-        return h + self._mlp(rms_norm(h, self.post_norm, self.eps), batch.lora, kv_cache)
+        lora = LayerLora(batch, self.index, kv_cache)
+        h = h + self._attention(rms_norm(h, self.input_norm, self.eps), batch, rope, kv_cache, lora)
+        return h + self._mlp(rms_norm(h, self.post_norm, self.eps), lora)
 
     def _attention(self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                   kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
-        lora_linear_delta(qkv, x, batch.lora, self.lora["qkv"], *kv_cache)
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], lora: LayerLora) -> torch.Tensor:
+        qkv = lora.project(x, self.qkv, self.qkv_bias, self.lora["qkv"])
         q, k, v = qkv.split(self.qkv_split, dim=-1)
         cos, sin = rope
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
@@ -92,18 +119,12 @@ class DecoderLayer:
         write_kv(kv_cache[0], kv_cache[1], k, v, batch.attention.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch.attention, self.scale)
         out = out.view(-1, self.num_heads * self.head_dim)
-        y = F.linear(out, self.o)
-        lora_linear_delta(y, out, batch.lora, self.lora["o"], *kv_cache)
-        return y
+        return lora.project(out, self.o, None, self.lora["o"])
 
-    def _mlp(self, x: torch.Tensor, lora: LoraBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up)
-        lora_linear_delta(gate_up, x, lora, self.lora["gate_up"], *kv_cache)
+    def _mlp(self, x: torch.Tensor, lora: LayerLora) -> torch.Tensor:
+        gate_up = lora.project(x, self.gate_up, None, self.lora["gate_up"])
         gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        y = F.linear(act, self.down)
-        lora_linear_delta(y, act, lora, self.lora["down"], *kv_cache)
-        return y
+        return lora.project(F.silu(gate) * up, self.down, None, self.lora["down"])
 
 
 class LlamaModel:

@@ -53,11 +53,12 @@ def full_row_len(config: ModelConfig) -> int:
     return sum(sum(config.module_shape(m)) for m in LORA_MODULES)
 
 
-def write_host_adapter(kv_caches: Sequence[KVCache], adapter: HostAdapter, pages: Sequence[int]) -> int:
+def write_host_adapter(kv_caches: Sequence[KVCache], adapter: HostAdapter, pages: Sequence[int],
+                       on_layer: Callable[[int, int], None] | None = None) -> int:
     """Copy `adapter` into `pages` of every layer (the host -> device copy; callable from a copy
-    thread); returns the bytes moved."""
+    thread); returns the bytes moved. `on_layer` as in `write_adapter`."""
     return write_adapter(kv_caches, pages, adapter.weights, adapter.scaling, adapter_layout(adapter),
-                         adapter_rank(adapter))
+                         adapter_rank(adapter), on_layer)
 
 
 class PagedAdapters:
@@ -90,9 +91,11 @@ class PagedAdapters:
         """Pages of an adapter of `rank` that wraps every target module."""
         return pages_for(rank, full_row_len(self.config), self.page_elements)
 
-    def copy_job(self, adapter: HostAdapter, pages: Sequence[int]) -> tuple[AdapterPages, Callable[[], int]]:
+    def copy_job(self, adapter: HostAdapter, pages: Sequence[int],
+                 on_layer: Callable[[int, int], None] | None = None) -> tuple[AdapterPages, Callable[[], int]]:
         """The record to serve `adapter` from `pages` once written, and the write itself (returns
-        the bytes moved; may run on another thread). Raises ValueError for too few pages."""
+        the bytes moved; may run on another thread; `on_layer` as in `write_adapter`). Raises
+        ValueError for too few pages."""
         needed = self.pages_needed(adapter)
         if len(pages) < needed:
             raise ValueError(f"adapter {adapter.id.name!r} (rank {adapter_rank(adapter)}) needs {needed} pages, "
@@ -102,7 +105,7 @@ class PagedAdapters:
         pages = list(pages[:needed])
         record = AdapterPages.create(pages, adapter_rank(adapter), adapter_layout(adapter),
                                      self.kv_caches[0][0].device)
-        return record, partial(write_host_adapter, self.kv_caches, adapter, pages)
+        return record, partial(write_host_adapter, self.kv_caches, adapter, pages, on_layer=on_layer)
 
     def load(self, handle: int, adapter: HostAdapter, pages: Sequence[int]) -> int:
         """Write `adapter` into `pages` now and serve it under `handle`; returns the bytes moved."""
