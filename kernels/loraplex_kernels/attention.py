@@ -189,6 +189,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
+def uses_triton(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether attention runs the Triton kernels for tensors of this device and dtype."""
+    return _use_triton(torch.empty(0, device=device, dtype=dtype))
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     backend = attention_backend()
     if backend == "auto":

@@ -261,6 +261,12 @@ def _triton() -> ModuleType | None:
     return module if isinstance(module, ModuleType) else None
 
 
+def uses_triton(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the LoRA delta runs the Triton kernels for tensors of this device and dtype."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return _use_triton(probe, probe, probe)
+
+
 def _use_triton(y: torch.Tensor, x: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """`triton` always (it raises later if it cannot run); `auto` on CUDA when Triton imports and
     the dtypes are its own."""

@@ -13,12 +13,15 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import torch
 from loraplex_kernels.attention import AttentionBatch, build_attention_batch
+from loraplex_kernels.attention import uses_triton as attention_uses_triton
 from loraplex_kernels.lora import LoraBatch, prepare_lora_backend
+from loraplex_kernels.lora import uses_triton as lora_uses_triton
 from loraplex_kernels.lora_pages import AdapterPages
 
 from loraplex.engine.config import EngineConfig
@@ -32,6 +35,7 @@ from loraplex_agent.cpu_assist import (
     StepAssist,
     default_assist_workers,
 )
+from loraplex_agent.decode_graphs import DecodeGraphs
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.host_kv import HostKVPool
 from loraplex_agent.model.llama import ForwardBatch, LlamaModel
@@ -47,7 +51,7 @@ class TorchExecutor:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, get_adapter: GetAdapter, model_dir: str | Path | None = None,
                  seed: int | None = None, emulate_h2d_gbps: float | None = None,
-                 cpu_assist_workers: int | None = None) -> None:
+                 cpu_assist_workers: int | None = None, cuda_graphs: bool | None = None) -> None:
         self.model_config = model_config
         self.config = engine_config
         self.device = device
@@ -66,6 +70,7 @@ class TorchExecutor:
         self.assist = CpuAssist(cpu_assist_workers or default_assist_workers()) if engine_config.cpu_assist else None
         self._assisted: dict[int, AssistedAdapter] = {}  # handle -> an adapter loading layer by layer
         self._load_seconds: deque[float] = deque(maxlen=10_000)  # drained by /metrics from another thread
+        self.graphs = self._decode_graphs(cuda_graphs)
         self.sampler = Sampler(device, seed)
         self.capture_logits = False  # tests: keep every sampled row's raw logits per request
         self.captured_logits: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -76,6 +81,20 @@ class TorchExecutor:
         # zeros, not empty: padded key positions are masked, but NaN garbage would still poison 0 * v
         return (torch.zeros(shape, device=self.device, dtype=self.dtype),
                 torch.zeros(shape, device=self.device, dtype=self.dtype))
+
+    def _decode_graphs(self, asked: bool | None) -> DecodeGraphs | None:
+        """Decode CUDA graphs: on by default on CUDA when the Triton kernels serve the step (the
+        torch references synchronise with the host and cannot be captured)."""
+        cuda = self.device.type == "cuda"
+        wanted = asked if asked is not None else (
+            cuda and attention_uses_triton(self.device, self.dtype) and lora_uses_triton(self.device, self.dtype))
+        if not wanted:
+            return None
+        if not cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        graphs = DecodeGraphs(self.model, self.kv_caches, self.config, self.device, capture=True)
+        graphs.capture_all()
+        return graphs
 
     @property
     def page_bytes(self) -> int:
@@ -109,7 +128,7 @@ class TorchExecutor:
         self._copy(output, result)
         if output.chunks:
             chunks = sorted(output.chunks, key=self._row_order)
-            logits = self.model.forward(self._forward_batch(chunks), self.kv_caches)
+            logits = self._logits(chunks)
             result.sampled = self._sample(logits, [c for c in chunks if c.sample])
         elif self._loading or output.kv_swap_in:
             self.copies.wait_all(timeout=0.005)  # nothing to compute: wait a little for a copy
@@ -190,28 +209,20 @@ class TorchExecutor:
         tokens = self.sampler(logits, [c.sampling for c in chunks], [c.num_output_tokens for c in chunks])
         return {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
 
-    def _forward_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """Chunks are ordered decode rows first; builds the step's index tensors on the device."""
-        bs = self.config.block_size
-        ids, positions, slots, row_slots, sample_rows = [], [], [], [], []
-        prefills: list[tuple[int, ScheduledChunk]] = []
-        for chunk in chunks:
-            row = len(ids)
-            span = range(chunk.start_position, chunk.start_position + chunk.num_tokens)
-            ids.extend(chunk.token_ids)
-            positions.extend(span)
-            slots.extend(chunk.block_ids[p // bs] * bs + p % bs for p in span)
-            row_slots.extend([chunk.adapter_slot] * chunk.num_tokens)
-            if chunk.sample:
-                sample_rows.append(len(ids) - 1)
-            if chunk.num_tokens > 1:
-                prefills.append((row, chunk))
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        lora, assist = self._lora_batch(row_slots)
-        return ForwardBatch(
-            input_ids=self._tensor(ids), positions=self._tensor(positions),
-            attention=self._attention_batch(slots, decodes, prefills), lora=lora,
-            sample_rows=self._tensor(sample_rows), assist=assist)
+    def _logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Runs the model over chunks ordered decode rows first: a pure decode step from its CUDA
+        graph when one fits, else eagerly."""
+        rows = StepRows.of(chunks, self.config.block_size)
+        lora, assist = self._lora_batch(rows.row_slots)
+        if self.graphs is not None and not rows.prefills and assist is None and len(rows.sample_rows) == len(chunks):
+            logits = self.graphs.run(rows.ids, rows.positions, rows.slots, [c.block_ids for c in chunks], lora)
+            if logits is not None:
+                return logits
+        ids, positions, sample_rows = self._tensors(rows.ids, rows.positions, rows.sample_rows)
+        batch = ForwardBatch(input_ids=ids, positions=positions,
+                             attention=self._attention_batch(rows.slots, rows.decodes, rows.prefills), lora=lora,
+                             sample_rows=sample_rows, assist=assist)
+        return self.model.forward(batch, self.kv_caches)
 
     def _lora_batch(self, row_slots: list[int]) -> tuple[LoraBatch, StepAssist | None]:
         """The step's LoRA segments; adapters still loading layer by layer get CPU assistance."""
@@ -230,5 +241,38 @@ class TorchExecutor:
             [(c.num_tokens, c.start_position, c.block_ids) for _, c in prefills], self.config.block_size,
             self.device)
 
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+    def _tensors(self, *values: list[int]) -> list[torch.Tensor]:
+        """Int lists as int64 device tensors, in one host-to-device copy."""
+        flat = torch.tensor([v for part in values for v in part], dtype=torch.long)
+        return list(flat.to(self.device, non_blocking=True).split([len(part) for part in values]))
+
+
+@dataclass
+class StepRows:
+    """A step's rows as host lists: decode rows first, then prefill chunks."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    row_slots: list[int] = field(default_factory=list)  # adapter handle per row
+    sample_rows: list[int] = field(default_factory=list)
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[tuple[int, ScheduledChunk]] = field(default_factory=list)  # (first row, chunk)
+
+    @classmethod
+    def of(cls, chunks: list[ScheduledChunk], block_size: int) -> StepRows:
+        rows = cls()
+        for chunk in chunks:
+            row = len(rows.ids)
+            span = range(chunk.start_position, chunk.start_position + chunk.num_tokens)
+            rows.ids.extend(chunk.token_ids)
+            rows.positions.extend(span)
+            rows.slots.extend(chunk.block_ids[p // block_size] * block_size + p % block_size for p in span)
+            rows.row_slots.extend([chunk.adapter_slot] * chunk.num_tokens)
+            if chunk.sample:
+                rows.sample_rows.append(len(rows.ids) - 1)
+            if chunk.num_tokens > 1:
+                rows.prefills.append((row, chunk))
+            else:
+                rows.decodes.append(chunk)
+        return rows
