@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="agent,router,operator,sim"
+extras="all"
 [[ "${1:-}" == "--dev" ]] && extras="$extras,dev"
 
 if [[ ! -x .venv/bin/python ]]; then

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loraplex.cli import CommandError
 from loraplex.engine.request import Request
 from loraplex.engine.sampling import SamplingParams
 from loraplex.sim.bench_output import write_bench_json
@@ -48,6 +49,10 @@ class AssistResult:
 def run(args: argparse.Namespace) -> int:
     from loraplex_agent.tiny_model import make_tiny_model
 
+    if args.adapters < 1 or args.prompt_len < 1 or args.background < 0:
+        raise CommandError("--adapters and --prompt-len must be at least 1, --background at least 0")
+    if args.emulate_h2d_gbps is not None and args.emulate_h2d_gbps <= 0:
+        raise CommandError("--emulate-h2d-gbps must be positive")
     ranks = [RANKS[i % len(RANKS)] for i in range(args.adapters)]
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-assist-") as tmp:
         tiny = make_tiny_model(Path(tmp) / "tiny", num_adapters=args.adapters, ranks=ranks, seed=args.seed)
@@ -114,16 +119,3 @@ def probe(llm: LLM, adapter: str, prompt_len: int, seed: int) -> float:
     while request.first_token_time is None:
         llm.core.step()
     return request.first_token_time - request.arrival_time
-
-
-def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapters", type=int, default=8, help="adapters probed cold then warm (ranks 8-64 cycled)")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of a probe")
-    p.add_argument("--background", type=int, default=4, help="base-model requests decoding all along")
-    p.add_argument("--emulate-h2d-gbps", type=float, default=None,
-                   help="charge copies at this bandwidth (default: calibrated against the what-if H100)")
-    p.add_argument("--num-blocks", type=int, default=2048, help="pages of the pool (room for every adapter)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")

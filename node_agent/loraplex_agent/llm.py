@@ -49,6 +49,7 @@ class LLM:
                    memory_options=parse_scheduler_options(getattr(args, "memory_option", None) or []),
                    emulate_h2d_gbps=getattr(args, "emulate_h2d_gbps", None),
                    cpu_assist={"on": True, "off": False}.get(getattr(args, "cpu_assist", "auto")),
+                   cuda_graphs=False if getattr(args, "enforce_eager", False) else None,
                    served_model_name=getattr(args, "served_model_name", None),
                    threads=getattr(args, "threads", None))
 
@@ -60,6 +61,7 @@ class LLM:
                  memory_policy: str = "unified", prefix_cache: bool = True, num_host_blocks: int | None = None,
                  memory_options: dict | None = None, emulate_h2d_gbps: float | None = None,
                  cpu_assist: bool | None = None, cpu_assist_workers: int | None = None,
+                 cuda_graphs: bool | None = None,
                  served_model_name: str | None = None,
                  seed: int | None = None, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
@@ -86,7 +88,8 @@ class LLM:
         self.adapters = AdapterStore()
         self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
                                       self.adapters.get, model_dir=self.model_dir, seed=seed,
-                                      emulate_h2d_gbps=emulate_h2d_gbps, cpu_assist_workers=cpu_assist_workers)
+                                      emulate_h2d_gbps=emulate_h2d_gbps, cpu_assist_workers=cpu_assist_workers,
+                                      cuda_graphs=cuda_graphs)
         self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)

@@ -280,3 +280,19 @@ class LoadedAdapter(BaseModel):
     rank: int
     lora_path: str | None = None
     draining_requests: int | None = None  # unload: accepted requests that still run on the adapter
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # e.g. invalid_request_error, not_found_error, service_unavailable
+    param: str | None = None  # the request field at fault, when there is one
+    code: str | int | None = None  # e.g. context_length_exceeded, model_not_found; else the HTTP status
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, which every error of the API has (documented in the OpenAPI schema)."""
+
+    error: ErrorDetail

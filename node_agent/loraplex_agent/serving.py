@@ -6,8 +6,10 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+from tokenizers import pre_tokenizers
 
 from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError
@@ -15,6 +17,9 @@ from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.generation import GenerationJob, TextDelta, generate_text
 from loraplex_agent.metrics import ServerMetrics
 from loraplex_agent.openai_protocol import ChatMessage, _SamplingFields
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -25,6 +30,9 @@ class ServingContext:
     metrics: ServerMetrics
     served_model_name: str
     model_path: str
+    # A prompt text longer than this (in UTF-8 bytes) cannot fit in max_model_len tokens, so it is
+    # refused without tokenizing it; None when the tokenizer gives no exact bound (prompt_byte_limit).
+    max_prompt_bytes: int | None = None
 
     @property
     def tokenizer(self):
@@ -44,6 +52,7 @@ class ServingContext:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            self.check_prompt_bytes(prompt, "prompt")
             return self.tokenizer.encode(prompt)
         vocab = self.engine.llm.model_config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -64,7 +73,20 @@ class ServingContext:
         except Exception as exc:  # the template itself rejects the conversation (jinja raise_exception)
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                       param="messages") from exc
+        self.check_prompt_bytes(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt_bytes(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a prompt too long in bytes to fit in the context."""
+        limit = self.max_prompt_bytes
+        if limit is None or 4 * len(text) <= limit:  # a character is at most 4 UTF-8 bytes
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{size} bytes, more than {limit} bytes (what {self.max_model_len} tokens of this "
+                "tokenizer can hold at most)", param=param, code="context_length_exceeded")
 
     def sampling_params(self, req: _SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
                         logprobs: int | None, prompt_param: str) -> SamplingParams:
@@ -104,6 +126,46 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
+
+
+def prompt_byte_limit(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int | None:
+    """max_model_len x the most bytes one token stands for: a longer prompt has more tokens than
+    the context holds. None unless that is exact (see `longest_token_bytes`)."""
+    longest = longest_token_bytes(tokenizer)
+    return None if longest is None else max_model_len * longest
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most UTF-8 bytes of text one token can cover, for a byte-level BPE tokenizer (GPT-2,
+    Llama 3, the tiny model) that keeps every byte of the text: no normalizer, no pre-tokenizer
+    step that drops text, no added token that swallows the spaces around it. None otherwise."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model, added = spec.get("model") or {}, spec.get("added_tokens") or []
+    if (spec.get("normalizer") is not None or model.get("type") != "BPE"
+            or not _keeps_every_byte(spec.get("pre_tokenizer"))
+            or any(t.get("lstrip") or t.get("rstrip") for t in added)):
+        return None
+    specials = {t["content"] for t in added}
+    alphabet = frozenset(pre_tokenizers.ByteLevel.alphabet())  # one character per byte
+    vocab = [token for token in model.get("vocab") or {} if token not in specials]
+    if not vocab or not all(alphabet.issuperset(token) for token in vocab):
+        return None
+    return max([len(token) for token in vocab] + [len(t.encode()) for t in specials])
+
+
+def _keeps_every_byte(pre_tokenizer: dict | None) -> bool:
+    """A ByteLevel pre-tokenizer, alone or in a sequence with splits that keep what they match."""
+    if pre_tokenizer is None:
+        return False
+    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer.get("type") == "Sequence" else [pre_tokenizer]
+    return (any(step.get("type") == "ByteLevel" for step in steps)
+            and all(step.get("type") in _KEEPING_STEPS and step.get("behavior") != "Removed" for step in steps))
+
+
+_KEEPING_STEPS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})  # unless behavior is Removed
 
 
 async def chain(first: TextDelta, rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:

@@ -6,17 +6,20 @@ import json
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.routing.pipeline import Profile
 from loraplex.routing.store import RoutingStore
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError, OverloadedError
 from loraplex_router.auth import KeyRing
+from loraplex_router.cli import DEFAULT_MAX_REQUEST_BYTES
 from loraplex_router.demand import DemandCounter
-from loraplex_router.errors import error_response
+from loraplex_router.errors import ErrorResponse, RequestTooLargeError, error_response
 from loraplex_router.metrics import RouterMetrics
 from loraplex_router.proxy import Forward, Proxy, prepare_body
 from loraplex_router.snapshot import Snapshot
@@ -33,6 +36,7 @@ class RouterSettings:
     read_timeout_s: float = 600.0
     max_attempts: int = 3
     cooldown_s: float = 5.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413, unread
 
 
 def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
@@ -67,7 +71,7 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
         model = ""
         try:
             key = settings.keys.authenticate(request.headers.get("authorization"))
-            raw = await request.body()
+            raw = await _read_body(request, settings.max_request_bytes)
             body = _parse_body(raw)
             model = body["model"]
             snapshot = _ready(cache.snapshot)
@@ -97,13 +101,32 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
+    proxied = _errors(400, 401, 403, 404, 413, 502, 503)
+    app.add_api_route("/v1/completions", completions, methods=["POST"], responses=proxied,
+                      openapi_extra=_json_body(RoutedCompletionRequest))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=proxied,
+                      openapi_extra=_json_body(RoutedChatCompletionRequest))
+    app.add_api_route("/v1/models", models, methods=["GET"], responses=_errors(401))
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/ready", ready, methods=["GET"])
+    app.add_api_route("/ready", ready, methods=["GET"], responses=_NOT_READY)
     app.add_api_route("/metrics", prometheus, methods=["GET"])
     return app
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) as soon as it is known to be larger than `max_bytes`: from its
+    Content-Length, else from the bytes read so far, so that a huge body is never read to the end."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise RequestTooLargeError(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise RequestTooLargeError(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _parse_body(raw: bytes) -> dict:
@@ -145,3 +168,50 @@ def _model_cards(snapshot: Snapshot, key) -> list[dict]:
             cards.append({"id": name, "object": "model", "created": created, "owned_by": "loraplex",
                           "root": record.source if record else name, "parent": snapshot.base_model})
     return cards
+
+
+# ---- OpenAPI: the routes read raw JSON (the body is forwarded as sent), so these models only
+# document what a request holds; the router itself checks `model` and leaves the rest to the agent.
+
+
+class _RoutedRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # every other OpenAI or vLLM parameter goes to the agent
+
+    model: str = Field(description="an adapter's name, or the base model's")
+    stream: bool = False
+    stream_options: dict[str, Any] | None = Field(default=None, description="include_usage: bool")
+
+
+class RoutedCompletionRequest(_RoutedRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class RoutedChatCompletionRequest(_RoutedRequest):
+    messages: list[dict[str, Any]] = Field(description="{role, content} objects")
+
+
+_ERROR_CASES = {
+    400: "malformed JSON, no `model`, or a parameter the agent refused",
+    401: "missing or wrong API key (with --api-keys)",
+    403: "this API key may not use the model",
+    404: "unknown model",
+    413: "the request body is larger than --max-request-bytes",
+    502: "every server tried failed before answering",
+    503: "the routing table is not read yet, or no healthy server can serve the model",
+}
+_NOT_READY = {503: {"description": "not ready: no routing table or no live server yet",
+                    "content": {"application/json": {"example": {"ready": False, "servers": 0}}}}}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the errors a route answers, all in OpenAI's error shape."""
+    cases: dict[int | str, dict[str, Any]] = {
+        status: {"model": ErrorResponse, "description": _ERROR_CASES[status]} for status in statuses}
+    other = "another error: internal, or (proxied routes) the agent's answer, passed through unchanged"
+    return {**cases, "default": {"model": ErrorResponse, "description": other}}
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` declaring a JSON request body of `model` for a route that reads it raw."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

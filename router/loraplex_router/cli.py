@@ -8,6 +8,8 @@ import importlib
 
 from loraplex.cli import CommandRegistry
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
 
 def register(registry: CommandRegistry) -> None:
     registry.add("router", "Run the router: an OpenAI-compatible endpoint in front of a pool of agents",
@@ -45,6 +47,11 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between store polls")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--max-attempts", type=int, default=3, help="servers tried per request before 502")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="largest request body; a larger one is answered 413 without being read to the end "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB: a prompt filling a 128k-token context "
+                        "is about 0.5 MB as text and 1 MB as token ids, so this leaves room many times over, "
+                        "while no request makes the router buffer more; the agents' default is the same)")
     p.add_argument("--log-level", default="info")
     add_routing_args(p)
 

@@ -1,15 +1,20 @@
-"""`loraplex router`: build the app from command-line arguments and serve it with uvicorn."""
+"""`loraplex router`: build the app from command-line arguments and serve it with uvicorn.
+
+Whatever can fail at start (arguments, the port, Redis) is checked before uvicorn starts and fails
+with one line, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import uvicorn
 
 from loraplex.cli import CommandError
 from loraplex.routing.pipeline import make_profile, parse_weights
-from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.spec.errors import LoraplexError
+from loraplex.startup import listen_socket, open_store
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing, load_keys
 
@@ -29,17 +34,22 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         raise CommandError(exc.message) from exc
     if args.max_attempts < 1:
         raise CommandError("--max-attempts must be at least 1")
+    if args.max_request_bytes < 1:
+        raise CommandError("--max-request-bytes must be at least 1")
     return RouterSettings(profile=profile_from_args(args), keys=keys, base_model=args.base_model,
                           poll_interval_s=args.poll_interval, connect_timeout_s=args.connect_timeout,
-                          max_attempts=args.max_attempts)
+                          max_attempts=args.max_attempts, max_request_bytes=args.max_request_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        store = RedisRoutingStore.from_url(args.redis_url, args.pool)
-    except ValueError as exc:
-        raise CommandError(f"bad --redis-url or --pool: {exc}") from exc
-    app = create_app(store, settings_from_args(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    store.close()
+    settings = settings_from_args(args)
+    with listen_socket(args.host, args.port) as sock:
+        store = open_store(args.redis_url, args.pool)
+        try:
+            server = uvicorn.Server(uvicorn.Config(create_app(store, settings), log_level=args.log_level,
+                                                  access_log=False))
+            logging.getLogger("uvicorn.error").info("router listening on http://%s:%d", args.host, args.port)
+            server.run(sockets=[sock])
+        finally:
+            store.close()
     return 0

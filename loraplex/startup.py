@@ -1,0 +1,36 @@
+"""Start-up checks the servers (agent, router) share, each failing with one clear line
+(`CommandError`) before any model or app is built."""
+
+from __future__ import annotations
+
+import socket
+
+from loraplex.cli import CommandError
+from loraplex.routing.redis_store import RedisRoutingStore
+from loraplex.routing.store import StoreUnavailableError
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now so that a port in use fails before anything loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def open_store(url: str, pool: str) -> RedisRoutingStore:
+    """The pool's store, once Redis has answered (the caller closes it)."""
+    try:
+        store = RedisRoutingStore.from_url(url, pool)
+    except ValueError as exc:
+        raise CommandError(f"bad --redis-url or --pool: {exc}") from None
+    try:
+        store.current_version()
+    except StoreUnavailableError as exc:
+        store.close()
+        raise CommandError(f"cannot reach Redis (--redis-url): {exc}") from None
+    return store
