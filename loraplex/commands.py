@@ -39,6 +39,10 @@ def register(registry: CommandRegistry) -> None:
 
     registry.add("bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",
                  placement_twin.configure, placement_twin.run)
+    from loraplex.sim import routing_compare  # argparse and the twin
+
+    registry.add("bench routing", "rank-aware vs loraserve vs least-loaded routing under rank skew, in the twin: "
+                 "throughput at the SLO and P95 TBT", routing_compare.configure, routing_compare.run)
 
 
 def _bench_placement() -> ModuleType:

@@ -7,7 +7,8 @@ that are data, and a picker chooses one server from the weighted scores.
 
 The default profile is LoRAServe's: keep healthy servers the table assigns the adapter to, score
 each by its φ and pick at random in proportion to the score, so P(server) = φ renormalised over the
-healthy servers (paper §3.8).
+healthy servers (paper §3.8). `rank-aware` is Toppings' Algorithm 1 over the servers' live batches
+(`loraplex.routing.rank_aware`); `least-loaded` takes the shortest queue.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import enum
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from loraplex.routing.rank_aware import RankAwareConfig, RankAwareScorer, SloFilter
+from loraplex.routing.records import ServerBatch
 
 
 class Residency(enum.IntEnum):
@@ -37,18 +41,22 @@ class Candidate:
     residency: Residency = Residency.NONE
     queue_depth: int = 0                # running + waiting requests (best knowledge)
     max_rank: int | None = None         # the largest rank the server accepts; None: no limit
+    batch: ServerBatch | None = None    # its live batch by rank; None: not reported or stale
 
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What the policy needs to know about a request: the adapter (None for the base model)."""
+    """What the policy needs to know about a request: the adapter (None for the base model), its rank
+    and, when known, its prompt length."""
 
     adapter: str | None
     rank: int | None = None
+    prompt_tokens: int | None = None
 
 
 class Filter(Protocol):
-    """Drops candidates that must not serve the request. May return an empty list."""
+    """Drops candidates that must not serve the request. May return an empty list. A filter may also
+    say `reads_load` / `reads_batch` (default False), as scorers do."""
 
     name: str
 
@@ -57,7 +65,8 @@ class Filter(Protocol):
 
 class Scorer(Protocol):
     """Scores every candidate in [0, 1], 1 being best. Returns one score per candidate, in order.
-    `reads_load`: whether the scores depend on live server state (queue depth, residency)."""
+    `reads_load`: whether the scores depend on live server state (queue depth, residency, batch).
+    A scorer may also say `reads_batch` (default False): it needs `Candidate.batch`."""
 
     name: str
     reads_load: bool
@@ -198,28 +207,52 @@ class MaxScorePicker:
 
 @dataclass
 class Profile:
-    """One run of filters -> weighted scorers -> picker."""
+    """One run of filters -> weighted scorers -> picker.
+
+    `fallback` picks instead when a filter or scorer that reads the live batch would run and a
+    surviving candidate has none (an agent that does not report it, a stale heartbeat)."""
 
     filters: Sequence[Filter]
     scorers: Sequence[tuple[Scorer, float]]
     picker: Picker
     rng: random.Random = field(default_factory=random.Random)
+    fallback: Profile | None = None
 
     @property
     def reads_load(self) -> bool:
-        """Whether a pick can depend on live server state (queue depth, residency) through a scorer.
-        The filters read it only in AssignedFilter's fallback, when no candidate has φ > 0."""
-        return any(scorer.reads_load for scorer, _ in self.scorers)
+        """Whether a pick can depend on live server state (queue depth, residency, batch) through a
+        scorer or a filter that says so. The plain filters read it only in AssignedFilter's
+        fallback, when no candidate has φ > 0."""
+        return (any(scorer.reads_load for scorer, _ in self.scorers)
+                or any(getattr(f, "reads_load", False) for f in self.filters))
+
+    @property
+    def reads_batch(self) -> bool:
+        """Whether a pick reads `Candidate.batch` (the twin builds it only then)."""
+        return (any(getattr(scorer, "reads_batch", False) for scorer, _ in self.scorers)
+                or any(getattr(f, "reads_batch", False) for f in self.filters))
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Candidate:
         survivors = list(candidates)
         if not survivors:
             raise NoCandidateError("no servers")
         for f in self.filters:
+            fallback = self._fallback(survivors) if getattr(f, "reads_batch", False) else None
+            if fallback is not None:
+                return fallback.pick(request, survivors)
             survivors = f.filter(request, survivors)
             if not survivors:
                 raise NoCandidateError(f.name)
+        fallback = self._fallback(survivors) if any(getattr(s, "reads_batch", False) for s, _ in self.scorers) else None
+        if fallback is not None:
+            return fallback.pick(request, survivors)
         return self.picker.pick(survivors, self._scores(request, survivors), self.rng)
+
+    def _fallback(self, candidates: list[Candidate]) -> Profile | None:
+        """The fallback profile when one of `candidates` has no live batch, else None."""
+        if self.fallback is not None and any(c.batch is None for c in candidates):
+            return self.fallback
+        return None
 
     def _scores(self, request: RouteRequest, candidates: list[Candidate]) -> list[float]:
         total = [0.0] * len(candidates)
@@ -238,36 +271,62 @@ def clamp_unit(values: list[float]) -> list[float]:
 
 
 FILTERS: dict[str, Callable[[], Filter]] = {
-    f.name: f for f in (HealthyFilter, RankFilter, AssignedFilter)}
+    f.name: f for f in (HealthyFilter, RankFilter, AssignedFilter, SloFilter)}
 SCORERS: dict[str, Callable[[], Scorer]] = {
-    s.name: s for s in (PhiScorer, QueueScorer, ResidencyScorer)}
+    s.name: s for s in (PhiScorer, QueueScorer, ResidencyScorer, RankAwareScorer)}
 PICKERS: dict[str, Callable[[], Picker]] = {
     p.name: p for p in (WeightedRandomPicker, MaxScorePicker)}
+_CONFIGURED = (SloFilter, RankAwareScorer)  # built with the profile's RankAwareConfig
 
-# name -> (scorer weights, picker). Every profile filters healthy -> rank -> assigned.
-PROFILES: dict[str, tuple[dict[str, float], str]] = {
-    "loraserve": ({"phi": 1.0}, "weighted-random"),
-    "load-aware": ({"phi": 1.0, "queue": 1.0, "residency": 0.5}, "weighted-random"),
+DEFAULT_FILTERS = ("healthy", "rank", "assigned")
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """A named profile: scorer weights, picker, filters in order, and the profile that picks when a
+    candidate lacks the live batch this one reads."""
+
+    scorers: dict[str, float]
+    picker: str
+    filters: tuple[str, ...] = DEFAULT_FILTERS
+    fallback: str | None = None
+
+
+PROFILES: dict[str, ProfileSpec] = {
+    "loraserve": ProfileSpec({"phi": 1.0}, "weighted-random"),
+    "load-aware": ProfileSpec({"phi": 1.0, "queue": 1.0, "residency": 0.5}, "weighted-random"),
+    "least-loaded": ProfileSpec({"queue": 1.0}, "max-score"),
+    # Toppings' Algorithm 1 over the servers the table assigns the adapter to; φ routing without batches
+    "rank-aware": ProfileSpec({"rank-aware": 1.0}, "max-score", DEFAULT_FILTERS + ("slo",), "loraserve"),
 }
 
 
 def make_profile(name: str = "loraserve", rng: random.Random | None = None,
-                 scorers: dict[str, float] | None = None, picker: str | None = None) -> Profile:
-    """Build a profile by name; `scorers` and `picker` override the named profile's choices."""
+                 scorers: dict[str, float] | None = None, picker: str | None = None,
+                 rank_aware: RankAwareConfig | None = None) -> Profile:
+    """Build a profile by name; `scorers` and `picker` override the named profile's choices.
+    `rank_aware` configures the `slo` filter and the `rank-aware` scorer (latency model, SLO)."""
     if name not in PROFILES:
         raise ValueError(f"unknown routing profile {name!r}; choose one of {sorted(PROFILES)}")
-    default_scorers, default_picker = PROFILES[name]
-    weights = scorers if scorers is not None else default_scorers
-    picker_name = picker or default_picker
+    spec = PROFILES[name]
+    weights = scorers if scorers is not None else spec.scorers
+    picker_name = picker or spec.picker
     unknown = sorted(set(weights) - set(SCORERS)) + ([picker_name] if picker_name not in PICKERS else [])
     if unknown:
         raise ValueError(f"unknown scorer or picker {unknown}; scorers: {sorted(SCORERS)}, "
                          f"pickers: {sorted(PICKERS)}")
     if any(w < 0 for w in weights.values()):
         raise ValueError(f"scorer weights must be >= 0, got {weights}")
-    return Profile(filters=[FILTERS[n]() for n in ("healthy", "rank", "assigned")],
-                   scorers=[(SCORERS[n](), w) for n, w in weights.items()],
-                   picker=PICKERS[picker_name](), rng=rng or random.Random())
+    rng = rng or random.Random()
+    config = rank_aware or RankAwareConfig()
+
+    def build(factory: Callable) -> Any:
+        return factory(config) if factory in _CONFIGURED else factory()
+
+    return Profile(filters=[build(FILTERS[n]) for n in spec.filters],
+                   scorers=[(build(SCORERS[n]), w) for n, w in weights.items()],
+                   picker=PICKERS[picker_name](), rng=rng,
+                   fallback=make_profile(spec.fallback, rng) if spec.fallback else None)
 
 
 def parse_weights(text: str) -> dict[str, float]:

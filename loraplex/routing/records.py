@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from loraplex.spec.adapter import validate_adapter_name
 
@@ -31,6 +33,80 @@ class ServerLoad:
     kv_usage: float = 0.0  # fraction of KV pages in use, 0..1
 
 
+class RankLoad(NamedTuple):
+    """The requests of one rank in a server's batch (rank 0: the base model, no adapter)."""
+
+    rank: int
+    requests: int  # running + waiting
+    prefill_tokens: int = 0  # prompt tokens of those requests not prefilled yet
+
+
+BatchRow = tuple[int, str | None, int, int]  # (rank, adapter name or None, prompt tokens left, context tokens)
+MAX_BATCH_ADAPTERS = 512  # a heartbeat lists at most this many distinct adapters of its batch
+
+
+@dataclass(frozen=True)
+class ServerBatch:
+    """A server's live batch, what rank-aware routing reads (Toppings' `GetStats()`): its open
+    requests (running and waiting) counted by rank, compact whatever the batch size. Encoded in the
+    heartbeat as `{"ranks": [[rank, requests, prefill_tokens], ...], "adapters": [...], ...}`."""
+
+    ranks: tuple[RankLoad, ...] = ()  # ascending rank, one entry per rank present
+    adapters: tuple[str, ...] = ()  # distinct adapters of those requests, sorted
+    context_tokens: int = 0  # KV positions the requests will attend over (prompt + output so far), summed
+    max_context: int = 0  # the longest of them
+
+    @property
+    def requests(self) -> int:
+        return sum(r.requests for r in self.ranks)
+
+    @classmethod
+    def from_requests(cls, rows: Iterable[BatchRow]) -> ServerBatch:
+        """Aggregate (rank, adapter, prompt tokens left to prefill, context tokens) per open request."""
+        counts: dict[int, list[int]] = {}
+        adapters: set[str] = set()
+        context = longest = 0
+        for rank, adapter, pending, tokens in rows:
+            entry = counts.setdefault(rank, [0, 0])
+            entry[0] += 1
+            entry[1] += pending
+            if adapter is not None:
+                adapters.add(adapter)
+            context += tokens
+            longest = max(longest, tokens)
+        return cls(tuple(RankLoad(r, n, p) for r, (n, p) in sorted(counts.items())),
+                   tuple(sorted(adapters)[:MAX_BATCH_ADAPTERS]), context, longest)
+
+    def with_open_requests(self, open_requests: int) -> ServerBatch:
+        """The batch with the requests a router knows it has open there beyond the reported ones (sent
+        since the heartbeat), counted at the batch's mean rank (their ranks are not reported): a burst
+        routed between two heartbeats must not all land on the server that looked emptiest."""
+        extra = open_requests - self.requests
+        if extra <= 0:
+            return self
+        total = self.requests
+        rank = round(sum(r.rank * r.requests for r in self.ranks) / total) if total else 0
+        counts = {r.rank: r for r in self.ranks}
+        old = counts.get(rank, RankLoad(rank, 0, 0))
+        counts[rank] = RankLoad(rank, old.requests + extra, old.prefill_tokens)
+        mean_context = self.context_tokens // total if total else 0
+        return ServerBatch(tuple(counts[r] for r in sorted(counts)), self.adapters,
+                           self.context_tokens + extra * mean_context, self.max_context)
+
+    def validate(self) -> ServerBatch:
+        if any(r.rank < 0 or r.requests < 0 or r.prefill_tokens < 0 for r in self.ranks):
+            raise RecordError(f"batch ranks must be non-negative, got {self.ranks}")
+        if self.context_tokens < 0 or self.max_context < 0:
+            raise RecordError("batch context tokens must be non-negative")
+        return self
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> ServerBatch:
+        return cls(ranks=tuple(RankLoad(*(int(x) for x in row)) for row in doc.get("ranks", ())),
+                   adapters=tuple(str(a) for a in doc.get("adapters", ())),
+                   context_tokens=int(doc.get("context_tokens", 0)), max_context=int(doc.get("max_context", 0)))
+
+
 @dataclass(frozen=True)
 class ServerRecord:
     """One engine instance (one agent). The record lives under a key with a TTL that every heartbeat
@@ -45,6 +121,7 @@ class ServerRecord:
     gpu_adapters: tuple[str, ...] = ()   # adapter names resident in GPU memory
     host_adapters: tuple[str, ...] = ()  # adapter names held in host memory (the distributed pool)
     heartbeat_at: float = 0.0            # the agent's wall clock when it sent this record
+    batch: ServerBatch | None = None     # the live batch; None from agents that do not report it
 
     def validate(self) -> ServerRecord:
         validate_server_id(self.id)
@@ -52,6 +129,8 @@ class ServerRecord:
             raise RecordError(f"server {self.id!r}: url must be http(s)://, got {self.url!r}")
         if self.max_rank <= 0:
             raise RecordError(f"server {self.id!r}: max_rank must be positive, got {self.max_rank}")
+        if self.batch is not None:
+            self.batch.validate()
         return self
 
     def to_json(self) -> str:
@@ -62,9 +141,10 @@ class ServerRecord:
         try:
             doc = json.loads(text)
             load = ServerLoad(**doc.pop("load", {}))
+            batch = doc.pop("batch", None)
             for name in ("capabilities", "gpu_adapters", "host_adapters"):
                 doc[name] = tuple(doc.get(name, ()))
-            return cls(load=load, **doc).validate()
+            return cls(load=load, batch=None if batch is None else ServerBatch.from_doc(batch), **doc).validate()
         except (ValueError, TypeError, AttributeError) as exc:
             raise RecordError(f"malformed server record: {exc}") from exc
 

@@ -7,6 +7,10 @@ Servers share nothing between arrivals, so each is stepped lazily: only when an 
 state (the server it joins, or a routing candidate whose load the router reads) is it stepped up to
 the arrival time, every step that starts at or before it, which is exactly the state a loop over all
 servers in time order would show.
+
+A router that reads the live batch (rank-aware) sees each candidate's open requests by rank as of
+the arrival, or, with `batch_refresh_s`, as of the server's last heartbeat no older than that, plus
+the requests routed to it since (what the real router's snapshot offers it).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, RequestStatus
 from loraplex.placement import (
     DEFAULT_HYSTERESIS,
     OperatingPoints,
@@ -25,6 +29,8 @@ from loraplex.placement import (
 )
 from loraplex.routing import RoutingTable
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile
+from loraplex.routing.rank_aware import LatencyModel, RankAwareConfig
+from loraplex.routing.records import ServerBatch
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
     RequestResult,
@@ -53,6 +59,9 @@ class ClusterConfig:
     seed: int = 0
     engine_overrides: dict = field(default_factory=dict)
     operating_points: OperatingPoints | None = None  # default: measured on the twin for this profile
+    # rank-aware routing: latency model, SLO, constants (default: the twin profile's own latency model)
+    rank_aware: RankAwareConfig | None = None
+    batch_refresh_s: float | None = None  # live batches as of heartbeats this often; None: exact
 
 
 @dataclass
@@ -69,7 +78,10 @@ class _Server:
         self.id = f"sim-{index}"
         self.core, self.clock = make_sim_engine(profile, profile.engine_config(**overrides))
         self.ids = register_adapters(self.core, adapters, ids)
+        self.ranks = {self.ids[name]: rank for name, rank in adapters.items()}
         self.requests: list[Request] = []
+        self.open: list[Request] = []  # unfinished ones, pruned when the batch is read
+        self._heartbeat: tuple[float, ServerBatch] | None = None
         self._scheduler = self.core.scheduler
         self._holds = self.core.memory.holds
         self._max_rank = self.core.config.max_lora_rank
@@ -87,12 +99,29 @@ class _Server:
         twin server holds every adapter in host memory; the GPU tier and the queue are live state."""
         return Candidate(self.id, phi=phi, residency=Residency.HOST, max_rank=self._max_rank)
 
-    def candidate(self, adapter: str | None, phi: float) -> Candidate:
+    def candidate(self, adapter: str | None, phi: float, batch: ServerBatch | None = None) -> Candidate:
         """The server's live state: step it up to the arrival first."""
         scheduler = self._scheduler
         resident = adapter is not None and self._holds(self.ids[adapter])
         return Candidate(self.id, phi=phi, residency=Residency.GPU if resident else Residency.HOST,
-                         queue_depth=scheduler.num_running + scheduler.num_waiting, max_rank=self._max_rank)
+                         queue_depth=scheduler.num_running + scheduler.num_waiting, max_rank=self._max_rank,
+                         batch=batch)
+
+    def batch(self, now: float, refresh_s: float | None) -> ServerBatch:
+        """Its open requests by rank (stepped up to `now`). With `refresh_s`, the batch of its last
+        heartbeat plus the requests opened since, as a router sees it: a heartbeat is taken at the
+        first read in each `refresh_s` window, so it is less than `refresh_s` old when used."""
+        finished = RequestStatus.FINISHED
+        self.open = [r for r in self.open if r.status is not finished]
+        if refresh_s is not None and self._heartbeat is not None and now - self._heartbeat[0] < refresh_s:
+            return self._heartbeat[1].with_open_requests(len(self.open))
+        ranks = self.ranks
+        batch = ServerBatch.from_requests(
+            (ranks[r.adapter] if r.adapter else 0, r.adapter.name if r.adapter else None,
+             max(0, r.num_prompt_tokens - r.num_computed_tokens), r.num_tokens) for r in self.open)
+        if refresh_s is not None:
+            self._heartbeat = (now - (now % refresh_s), batch)
+        return batch
 
 
 class _Cluster:
@@ -104,8 +133,11 @@ class _Cluster:
                         for i in range(config.servers)]
         self.by_id = {s.id: s for s in self.servers}
         rng = random.Random(config.seed)
-        self.router = make_profile(config.routing, random.Random(rng.random()))
+        rank_aware = config.rank_aware or RankAwareConfig(LatencyModel.from_coefficients(profile.coefficients,
+                                                                                         profile.name))
+        self.router = make_profile(config.routing, random.Random(rng.random()), rank_aware=rank_aware)
         self._router_reads_load = self.router.reads_load
+        self._router_reads_batch = self.router.reads_batch
         self.policy = make_policy(config.placement, random.Random(rng.random()), hysteresis=config.hysteresis)
         max_rank = self.servers[0].core.config.max_lora_rank
         self.placement_servers = [PlacementServer(s.id, max_rank) for s in self.servers]
@@ -145,8 +177,13 @@ class _Cluster:
             offers = offers or [(s, 0.0) for s in self.servers]
             for server, _ in offers:
                 server.advance(arrival)
-            candidates = [server.candidate(adapter, phi) for server, phi in offers]
-        chosen = self.by_id[self.router.pick(RouteRequest(adapter, request.rank or None), candidates).server_id]
+            if self._router_reads_batch:
+                refresh = self.config.batch_refresh_s
+                candidates = [server.candidate(adapter, phi, server.batch(arrival, refresh)) for server, phi in offers]
+            else:
+                candidates = [server.candidate(adapter, phi) for server, phi in offers]
+        route = RouteRequest(adapter, request.rank or None, request.prompt_len)
+        chosen = self.by_id[self.router.pick(route, candidates).server_id]
         chosen.advance(arrival)  # already done when the candidates were stepped
         return chosen
 
@@ -191,6 +228,8 @@ def _admit(cluster: _Cluster, request: TraceRequest) -> None:
     req = make_request(request, 0.0, server.ids[request.adapter] if request.adapter else None, sim_prompt)
     server.core.add_request(req)
     server.requests.append(req)
+    if cluster._router_reads_batch:
+        server.open.append(req)
 
 
 def _mean_demand(trace: Trace, duration: float) -> dict[str, float]:

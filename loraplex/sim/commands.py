@@ -83,6 +83,8 @@ def sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     p.add_argument("--servers", type=int, default=1, help="servers; more than 1 runs the cluster mode")
     p.add_argument("--placement", default="loraserve", help="cluster: placement policy")
+    p.add_argument("--routing", default="loraserve",
+                   help="cluster: router profile (loraserve, load-aware, least-loaded, rank-aware)")
     p.add_argument("--interval", type=float, default=60.0, help="cluster: seconds between placements")
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
@@ -142,8 +144,8 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
         return run.results, run.summary, {}
     from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 
-    cluster = ClusterConfig(servers=args.servers, placement=args.placement, interval_s=args.interval,
-                            seed=args.seed, engine_overrides=overrides)
+    cluster = ClusterConfig(servers=args.servers, placement=args.placement, routing=args.routing,
+                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides)
     run = simulate_cluster(trace, profile, cluster, slo)
     return run.results, run.summary, run.info
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex_router.demand import DemandCounter
 from loraplex_router.metrics import RouterMetrics
-from loraplex_router.snapshot import Snapshot
+from loraplex_router.snapshot import BATCH_MAX_AGE_S, Snapshot
 
 log = logging.getLogger("loraplex.router")
 
@@ -26,7 +26,9 @@ log = logging.getLogger("loraplex.router")
 class TableCache:
     def __init__(self, store: RoutingStore, metrics: RouterMetrics, demand: DemandCounter,
                  base_model: str | None = None, poll_interval_s: float = 1.0,
-                 adapters_every_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+                 adapters_every_s: float = 5.0, clock: Callable[[], float] = time.time,
+                 batch_max_age_s: float = BATCH_MAX_AGE_S) -> None:
+        """`batch_max_age_s`: servers' live batches from heartbeats older than this are not used."""
         self.store = store
         self.metrics = metrics
         self.demand = demand
@@ -34,7 +36,8 @@ class TableCache:
         self.poll_interval_s = poll_interval_s
         self.adapters_every_s = adapters_every_s
         self.clock = clock
-        self.snapshot = Snapshot(None, {}, {}, base_model, taken_at=0.0)
+        self.batch_max_age_s = batch_max_age_s
+        self.snapshot = Snapshot(None, {}, {}, base_model, taken_at=0.0, batch_max_age_s=batch_max_age_s)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._subscription: Subscription | None = None
@@ -90,7 +93,7 @@ class TableCache:
             self._adapters_read_at = now
         servers = {s.id: s for s in self.store.healthy_servers()}
         base = self.base_model or _base_model_of(servers.values()) or old.base_model
-        return Snapshot(table, servers, adapters, base, taken_at=now)
+        return Snapshot(table, servers, adapters, base, taken_at=now, batch_max_age_s=self.batch_max_age_s)
 
     def _ensure_subscription(self) -> None:
         if self._subscription is None:

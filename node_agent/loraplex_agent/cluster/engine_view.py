@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from loraplex.routing.records import ServerLoad
+from loraplex.engine.request import RequestStatus
+from loraplex.routing.records import ServerBatch, ServerLoad
 from loraplex.spec.adapter import AdapterInfo
 
 
@@ -28,3 +29,24 @@ def engine_load(engine) -> tuple[ServerLoad, tuple[str, ...]]:
     stats = snap.stats
     load = ServerLoad(running=stats.num_running, waiting=stats.num_waiting, kv_usage=round(stats.kv_usage, 4))
     return load, tuple(snap.resident_adapters)
+
+
+def engine_batch(engine) -> ServerBatch | None:
+    """The engine's open requests (running and waiting) by rank, for rank-aware routing; None when
+    the engine does not expose them.
+
+    Runs on the event loop while the engine thread steps: the request table is copied in one
+    C-level call (atomic under the GIL) and a request's counters are plain ints, so the batch is at
+    worst one step old. Ranks come from the loop's own view of the loaded adapters."""
+    streams = getattr(engine, "_streams", None)
+    if streams is None:
+        return None
+    try:
+        requests = [stream.request for stream in list(streams.values())]
+    except RuntimeError:  # resized while copied (free-threaded Python): report none this time
+        return None
+    ranks = {name: loaded.info.rank for name, loaded in engine.adapters.items()}
+    return ServerBatch.from_requests(
+        (ranks.get(r.adapter.name, 0) if r.adapter else 0, r.adapter.name if r.adapter else None,
+         max(0, r.num_prompt_tokens - r.num_computed_tokens), r.num_tokens)
+        for r in requests if r.status is not RequestStatus.FINISHED)

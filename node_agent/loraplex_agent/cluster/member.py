@@ -1,7 +1,8 @@
 """An agent as a member of its pool: registration and heartbeats, assignment, prefetch and eviction.
 
 - Every `heartbeat_interval_s` the agent writes its ServerRecord (URL, max rank, load, adapters in
-  GPU and host memory) with a TTL; a dead agent drops out of the registry when the TTL runs out.
+  GPU and host memory, its live batch by rank for rank-aware routing) with a TTL; a dead agent
+  drops out of the registry when the TTL runs out.
 - On every new table version (pub/sub, or seen by polling) it prefetches the adapters assigned to
   it into host memory and records itself as a location; an adapter no longer assigned for two
   passes in a row is dropped, unless this is its last copy (LoRAServe's rule: never delete it).
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
-from loraplex_agent.cluster.engine_view import engine_load
+from loraplex_agent.cluster.engine_view import engine_batch, engine_load
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.settings import ClusterSettings
 
@@ -74,7 +75,7 @@ class ClusterMember:
         return ServerRecord(id=self.settings.server_id, url=self.settings.advertise_url, max_rank=self.max_rank,
                             base_model=self.base_model, capabilities=("peer-fetch",), load=load,
                             gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
-                            heartbeat_at=time.time())
+                            heartbeat_at=time.time(), batch=engine_batch(self.engine))
 
     async def _heartbeat(self) -> None:
         try:
