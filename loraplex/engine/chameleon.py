@@ -63,7 +63,7 @@ from loraplex.engine.sjf import learn_output, predict_output
 from loraplex.engine.wrs import SizeModel
 from loraplex.spec.adapter import AdapterId
 
-SPARE = -1  # `_Entry.charged_to` of a request admitted on the spare of emptied queues
+SPARE = -1  # `_Entry.charged_to` of a request admitted on the spare of emptied queues (or by an aged head)
 UNCHARGED = -2  # waiting: holds nothing
 
 
@@ -86,6 +86,9 @@ class ChameleonOptions:
     max_bypasses: int = 64  # younger requests that may pass one blocked head
     reserve_after_s: float = 1.0  # a head blocked this long gets memory reserved (one at a time)
     bypass_scan: int = 64  # younger requests looked at per blocked head and step
+    # a queue head waiting longer goes before the smaller queues and may borrow what nobody holds
+    # (None: half of slo_s; 0: off, the paper's order alone)
+    max_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("refresh_s", "shift_window_s", "slo_s", "default_service_s", "elbow_gain"):
@@ -96,6 +99,8 @@ class ChameleonOptions:
         if self.shift_factor <= 1 or self.max_bypasses < 0 or self.bypass_scan < 1 or self.reserve_after_s < 0:
             raise ValueError("chameleon needs shift_factor > 1, max_bypasses >= 0, bypass_scan >= 1, "
                              "reserve_after_s >= 0")
+        if self.max_wait_s is not None and self.max_wait_s < 0:
+            raise ValueError("chameleon option max_wait_s must be >= 0 (0: off)")
         if self.quota_split not in ("min", "equal"):
             raise ValueError(f"quota_split {self.quota_split!r} is not 'min' or 'equal'")
 
@@ -110,6 +115,10 @@ class _Entry:
     charged_to: int = UNCHARGED
     charge: int = 0
     admitted_at: float = 0.0
+
+
+def now_waited(entry: _Entry, now: float) -> float:
+    return now - entry.request.arrival_time
 
 
 @dataclass(eq=False)
@@ -139,6 +148,7 @@ class ChameleonScheduler(BatchScheduler):
         super().__init__(config, memory, rank_of, clock)
         options, predictor_options = options_for(config.scheduler_options, ChameleonOptions, PredictorOptions)
         self.options: ChameleonOptions = options
+        self.max_wait_s = options.slo_s / 2 if options.max_wait_s is None else options.max_wait_s
         self.predictor = predictor or OutputLengthPredictor(predictor_options)
         self.gate: MemoryGate = gate or PageGate(memory)
         self.size = SizeModel(max_in=config.max_model_len, max_out=config.max_model_len,
@@ -257,7 +267,9 @@ class ChameleonScheduler(BatchScheduler):
         self._serve_blocked_heads(out, step)
         starved, self._starved = self._starved, set()
         k = len(self.queues)
-        order = sorted(starved) + [q for q in range(k) if q not in starved]
+        aged = self._aged_queues()
+        first = aged + [q for q in sorted(starved) if q not in aged]
+        order = first + [q for q in range(k) if q not in first]
         served: set[int] = set()
         spare_tokens = spare_seats = 0
         for q in order:  # phase 1: each queue within its own quota
@@ -266,6 +278,8 @@ class ChameleonScheduler(BatchScheduler):
             avail_tokens = self.quota_tokens[q] - self.held_tokens[q]
             avail_seats = self.quota_seats[q] - self.held_seats[q]
             used_tokens, used_seats = self._put(q, avail_tokens, avail_seats, q, out, step)
+            if q in aged and not step.stopped:
+                used_seats += self._put_aged(q, out, step)
             if used_seats or not step.stopped:
                 served.add(q)
             if step.stopped:
@@ -288,6 +302,28 @@ class ChameleonScheduler(BatchScheduler):
             spare_seats -= used_seats
         if step.stopped:
             self._starved = {q for q in range(k) if q not in served and self.queues[q]}
+
+    def _aged_queues(self) -> list[int]:
+        """Queues whose head has waited longer than `max_wait_s`, oldest head first: they are served
+        before the smaller queues, so a steady stream of small requests cannot hold a large one back
+        for longer than that (the tail the size order alone would stretch)."""
+        limit = self.max_wait_s
+        if limit <= 0:
+            return []
+        now = self.clock.now()
+        heads = [(queue[0].request.arrival_time, q) for q, queue in enumerate(self.queues)
+                 if queue and now - queue[0].request.arrival_time > limit]
+        return [q for _, q in sorted(heads)]
+
+    def _put_aged(self, q: int, out: SchedulerOutput, step: _Step) -> int:
+        """An aged queue whose quota is used up borrows what nobody holds (charged to the spare, so
+        the pool is never over-lent); returns the seats it took."""
+        queue = self.queues[q]
+        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s:
+            return 0
+        free_tokens = self.token_pool - self._held_total
+        free_seats = self.config.max_num_seqs - len(self.running)
+        return self._put(q, free_tokens, free_seats, SPARE, out, step)[1]
 
     def _put(self, q: int, avail_tokens: int, avail_seats: int, where: int, out: SchedulerOutput,
              step: _Step) -> tuple[int, int]:

@@ -23,9 +23,10 @@ def options_for(options: Mapping[str, Any], *classes: type, what: str = "schedul
                 raise ValueError(f"{what} option {name}={value!r} is not true or false")
             value = value.lower() in ("true", "1", "yes")
         elif isinstance(value, str) and f.default is not MISSING and not isinstance(f.default, str):
+            kind = float if f.default is None else type(f.default)  # None-default knobs are numbers
             try:
-                value = type(f.default)(value)
+                value = kind(value)
             except ValueError:
-                raise ValueError(f"{what} option {name}={value!r} is not a {type(f.default).__name__}") from None
+                raise ValueError(f"{what} option {name}={value!r} is not a {kind.__name__}") from None
         values[cls][name] = value
     return tuple(cls(**values[cls]) for cls in classes)

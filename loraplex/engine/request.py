@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId
@@ -49,6 +49,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        # The penalties read this request's tokens: its own copy of the parameters points at it.
+        if self.sampling.penalized and self.sampling.history is not self:
+            self.sampling = replace(self.sampling, history=self)
 
     @property
     def num_prompt_tokens(self) -> int:

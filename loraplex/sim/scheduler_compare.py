@@ -147,6 +147,7 @@ class Block:
     side: str  # "twin" or "engine"
     memory_policy: str
     settings: dict[str, Any]
+    baseline_policy: str = ""  # the memory policy FIFO runs on (the block's own unless --baseline-policy)
     saturation_rps: float = 0.0
     saturation_method: str = ""
     slo_basis: str = "ttft"  # what the SLO multiplies: FIFO's unloaded mean TTFT, or E2E
@@ -427,6 +428,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of FIFO's saturation rate")
     p.add_argument("--memory-policy", default="unified",
                    help="comma-separated memory policies; each gets its own saturation, SLO and table")
+    p.add_argument("--baseline-policy", default=None, metavar="POLICY",
+                   help="run the FIFO baseline on this memory policy (e.g. lru-static: vLLM's fixed slots, "
+                        "or no-cache: S-LoRA's) while the other schedulers run on --memory-policy; loads, "
+                        "SLO and ratios are then relative to that baseline")
     p.add_argument("--slo-factor", type=float, default=5.0, help="TTFT SLO = this x FIFO's unloaded mean --slo-basis")
     p.add_argument("--slo-basis", choices=["ttft", "e2e"], default="ttft",
                    help="ttft (issue 11) or e2e (the paper: 5x the mean execution time at low load)")
@@ -519,6 +524,8 @@ def check_args(args: argparse.Namespace) -> None:
     policies = parse_list(args.memory_policy, "--memory-policy", str)
     if set(policies) - set(MEMORY_POLICIES):
         raise CommandError(f"--memory-policy {args.memory_policy!r}: choose from {sorted(MEMORY_POLICIES)}")
+    if args.baseline_policy is not None and args.baseline_policy not in MEMORY_POLICIES:
+        raise CommandError(f"--baseline-policy {args.baseline_policy!r}: choose from {sorted(MEMORY_POLICIES)}")
     loads = parse_list(args.loads, "--loads", float)
     if min(loads) <= 0:
         raise CommandError(f"--loads must be positive, not {args.loads!r}")
@@ -537,6 +544,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise CommandError(f"--{name.replace('_', '-')} must be positive, not {value}")
     if args.zipf < 0 or (args.host_blocks is not None and args.host_blocks < 0):
         raise CommandError("--zipf and --host-blocks must not be negative")
+
+
+def policy_of(args: argparse.Namespace, block_policy: str, scheduler: str) -> str:
+    """The memory policy `scheduler` runs on in a block of `block_policy`."""
+    return args.baseline_policy if scheduler == BASELINE and args.baseline_policy else block_policy
 
 
 def trace_spec(args: argparse.Namespace, side: str, max_model_len: int) -> TraceSpec:
@@ -560,7 +572,8 @@ def run_twin(args: argparse.Namespace) -> list[Block]:
         twin = TwinSide(profile, args, policy)
         block = Block("twin", policy, {"profile": profile.name, "requests": len(trace.requests),
                                        "length_scale": args.length_scale, "max_tokens": args.max_tokens,
-                                       "max_lora_rank": args.max_lora_rank, "spec": trace.workload})
+                                       "max_lora_rank": args.max_lora_rank, "spec": trace.workload},
+                      baseline_policy=policy_of(args, policy, BASELINE))
         twin.calibrate(block, trace)
         loads = parse_list(args.loads, "--loads", float)
         sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
@@ -584,7 +597,8 @@ class TwinSide:
         if args.host_blocks is not None:
             extra["num_host_blocks"] = args.host_blocks
         try:  # the policy is passed always: a profile that names none means lru-static
-            return self.profile.engine_config(memory_policy=self.policy, max_lora_rank=args.max_lora_rank,
+            return self.profile.engine_config(memory_policy=policy_of(args, self.policy, scheduler),
+                                              max_lora_rank=args.max_lora_rank,
                                               scheduler=scheduler, scheduler_options=self.options.get(scheduler, {}),
                                               **extra)
         except ValueError as exc:
@@ -627,7 +641,8 @@ class TwinSide:
 
 def print_block(block: Block) -> None:
     shown = {k: v for k, v in block.settings.items() if k not in ("spec", "calibration")}
-    print(f"\n== {block.side}, memory_policy={block.memory_policy}: "
+    fifo_on = f" (fifo on {block.baseline_policy})" if block.baseline_policy != block.memory_policy else ""
+    print(f"\n== {block.side}, memory_policy={block.memory_policy}{fifo_on}: "
           + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
     print(f"FIFO saturation {block.saturation_rps:.3g} req/s ({block.saturation_method}); TTFT SLO "
           f"{block.slo_ttft_s * 1e3:.1f} ms = {block.slo_ttft_s / block.unloaded_mean_s:g} x FIFO's unloaded mean "

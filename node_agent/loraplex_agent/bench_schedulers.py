@@ -40,6 +40,7 @@ from loraplex.sim.scheduler_compare import (
     drive,
     measure,
     parse_list,
+    policy_of,
     scheduler_options,
     schedulers_of,
     set_slo,
@@ -89,7 +90,7 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
 
 
 def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[str, Any]) -> Block:
-    block = Block("engine", policy, settings)
+    block = Block("engine", policy, settings, baseline_policy=policy_of(side.args, policy, BASELINE))
     side.calibrate(block, trace)
     sweep(block, side.run_at(trace, policy, block.slo_ttft_s), schedulers_of(side.args),
           parse_list(side.args.loads, "--loads", float), search=False)
@@ -157,7 +158,8 @@ class EngineSide:
 
     def calibrate(self, block: Block, trace: Trace) -> None:
         """The SLO (from FIFO unloaded) and, unless given, FIFO's saturation rate."""
-        llm, ids = self.llm(BASELINE, block.memory_policy)
+        baseline = policy_of(self.args, block.memory_policy, BASELINE)
+        llm, ids = self.llm(BASELINE, baseline)
         head = trace.requests[:self.args.engine_unloaded_requests]
         set_slo(block, llm.core, head, ids, self.prompt, self.args)
         if self.args.engine_saturation_rps:
@@ -165,7 +167,7 @@ class EngineSide:
             return
         print(f"engine ({block.memory_policy}): FIFO's saturation rate (a burst of the trace) ...", flush=True)
         burst = Trace([replace(r, arrival_s=0.0) for r in trace.requests], dict(trace.workload))
-        llm, ids = self.llm(BASELINE, block.memory_policy)
+        llm, ids = self.llm(BASELINE, baseline)
         log = drive(llm.core, burst, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens, self.vocab_size)
         block.saturation_rps = len(log.requests) / (log.end - log.origin)
         block.saturation_method = "requests/s of FIFO serving the whole trace at once"
@@ -173,7 +175,7 @@ class EngineSide:
     def run_at(self, trace: Trace, policy: str, slo_s: float) -> RunAt:
         def run_one(scheduler: str, rps: float) -> RunResult:
             scaled = at_rate(trace, rps)
-            llm, ids = self.llm(scheduler, policy)
+            llm, ids = self.llm(scheduler, policy_of(self.args, policy, scheduler))
             log = drive(llm.core, scaled, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens,
                         self.vocab_size)
             return measure(llm.core, log, scaled, scheduler, rps, slo_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplex.engine.request import FinishReason, Request, SampledToken
 from loraplex.engine.sampling import SamplingParams
@@ -25,6 +25,7 @@ class GenerationJob:
     sampling: SamplingParams
     adapter: str | None  # None: the base model alone
     eos_token_ids: tuple[int, ...]
+    arrival: float = field(default_factory=time.monotonic)  # latencies count from here (a fan-out's prefill included)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class TextDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    cumulative_logprob: float = 0.0  # sum over every generated token so far (EOS included); 0 without logprobs
 
 
 async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
@@ -43,8 +45,9 @@ async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: Serv
     request = Request(job.request_id, job.prompt_token_ids, job.sampling, eos_token_ids=job.eos_token_ids)
     detokenizer = IncrementalDetokenizer(tokenizer, job.prompt_token_ids)
     stops = StopStringMatcher(job.sampling.stop)
-    timer = _Timer(metrics)
+    timer = _Timer(metrics, job.arrival)
     reason: str | None = FinishReason.ABORT.value
+    cumulative = 0.0
     try:
         async with aclosing(engine.generate(request, job.adapter)) as outputs:
             async for output in outputs:
@@ -57,8 +60,9 @@ async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: Serv
                 text = stops.add(piece, final=output.finished)
                 finish = _finish_reason(output.finish_reason if output.finished else None, stops.stopped)
                 logprobs = output.new_logprobs[:len(text_ids)] if job.sampling.logprobs is not None else []
+                cumulative += sum(t.logprob for t in output.new_logprobs if t.logprob is not None)
                 yield TextDelta(text, text_ids, logprobs, finish, output.num_prompt_tokens,
-                                output.num_output_tokens)
+                                output.num_output_tokens, cumulative)
                 if finish is not None:
                     reason = finish
                     return  # leaving `aclosing` aborts a request cut short by a stop string
@@ -79,9 +83,9 @@ def _finish_reason(engine_reason: FinishReason | None, stop_string: bool) -> str
 class _Timer:
     """Latencies seen by the client: time to first token, gaps between tokens, end to end."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, start: float) -> None:
         self.metrics = metrics
-        self.start = time.monotonic()
+        self.start = start
         self.last: float | None = None
 
     def token(self) -> None:

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (and vLLM's adapter endpoints).
 
 Unknown fields are ignored, as OpenAI and vLLM do. Fields we know but do not implement are
-accepted only with their neutral value, so a client never gets a silently different answer.
+accepted only with their neutral value, so a client never gets a silently different answer. The
+one documented exception is `response_format: {"type": "json_object"}`, accepted without being
+enforced (docs/api.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 16  # the most sequences one request may ask for (`n`, `best_of`)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -35,12 +46,14 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    n: int = 1
+    n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -51,18 +64,56 @@ class _SamplingFields(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated for this request (more than the choices returned with best_of)."""
+        return self.num_choices
+
     def check_supported(self) -> None:
         """Refuse what we would otherwise silently ignore."""
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported; send several requests instead", param="n")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequestError(f"{param} is not supported (only 0)", param=param)
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        _check_count(self.num_choices, "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true",
                                       param="stream_options")
+        if self.response_format is not None:
+            _check_response_format(self.response_format.type)
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` with its string keys read as token ids of the vocabulary."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            token = _token_id(key)
+            if token is None or not 0 <= token < vocab_size:
+                raise InvalidRequestError(f"logit_bias keys must be token ids between 0 and {vocab_size - 1}, "
+                                          f"got {key!r}", param="logit_bias")
+            pairs.append((token, bias))
+        return tuple(pairs)
+
+
+def _token_id(key: str) -> int | None:
+    text = key.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _check_count(value: int, param: str) -> None:
+    if not 1 <= value <= MAX_CHOICES:
+        raise InvalidRequestError(f"{param} must be between 1 and {MAX_CHOICES}, got {value}", param=param)
+
+
+def _check_response_format(kind: str) -> None:
+    """`text` and `json_object` are accepted; JSON output is NOT enforced (no constrained decoding),
+    so `json_schema`, which promises a schema, is refused rather than silently ignored."""
+    if kind == "json_schema":
+        raise InvalidRequestError("response_format json_schema is not supported: this server has no "
+                                  "constrained decoding; use json_object and describe the schema in the prompt",
+                                  param="response_format")
+    if kind not in ("text", "json_object"):
+        raise InvalidRequestError(f"response_format type must be text or json_object, got {kind!r}",
+                                  param="response_format")
 
 
 class CompletionRequest(_SamplingFields):
@@ -73,12 +124,19 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def num_sequences(self) -> int:
+        return self.num_choices if self.best_of is None else self.best_of
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("only best_of=1 is supported", param="best_of")
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
+        if self.best_of is not None:
+            _check_count(self.best_of, "best_of")
+            if self.best_of < self.num_choices:
+                raise InvalidRequestError(f"best_of must be at least n, got best_of={self.best_of} and "
+                                          f"n={self.num_choices}", param="best_of")
+            if self.stream and self.best_of > 1:
+                raise InvalidRequestError("best_of cannot be used with stream", param="best_of")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
 
@@ -130,7 +188,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -138,9 +195,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("top_logprobs needs logprobs to be true", param="top_logprobs")
         if self.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported",
-                                      param="response_format")
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -181,7 +235,7 @@ class Usage(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)  # None for echoed prompt tokens
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -1,4 +1,12 @@
-"""Next-token sampling per request: greedy, temperature, top-k, top-p, seed, logprobs.
+"""Next-token sampling per request: logit bias, penalties, greedy, temperature, top-k, top-p, seed,
+logprobs.
+
+The logits a row is chosen from are adjusted first, per request and vectorised over the batch, in
+vLLM's order: `logit_bias` is added, then `repetition_penalty` (HF's RepetitionPenaltyLogitsProcessor
+over prompt and generated token ids: a positive logit is divided by it, a negative one multiplied),
+then `frequency_penalty * count + presence_penalty * (count > 0)` is subtracted, counts over the
+generated tokens (OpenAI's definition). Temperature, top-k and top-p follow. Logprobs stay the
+`log_softmax` of the raw logits, before any of this.
 
 Random draws use the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p). A seeded
 request draws its noise from its own generator, seeded by (seed, number of tokens generated so
@@ -7,12 +15,14 @@ far), so it yields the same tokens alone, inside any batch, and after a preempti
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from loraplex.engine.request import SampledToken
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.sampling import SamplingParams, TokenHistory
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
 
@@ -25,11 +35,12 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.tokens = TokenTensors(device)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  steps: Sequence[int]) -> list[SampledToken]:
         """logits [n, vocab] float32, one row per request; steps[i] = tokens request i has generated."""
-        tokens = self._choose(logits, params, steps).tolist()
+        tokens = self._choose(adjust(logits, params, self.tokens), params, steps).tolist()
         if all(p.logprobs is None for p in params):
             return [SampledToken(t) for t in tokens]
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -75,6 +86,137 @@ def restrict(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     drop |= mass_before >= torch.tensor(top_p, device=logits.device, dtype=probs.dtype).unsqueeze(1)
     drop[:, 0] = False  # the most likely token always stays
     return scaled.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+# ---- logit bias and penalties ----------------------------------------------------------------
+
+
+def adjust(logits: torch.Tensor, params: Sequence[SamplingParams], tokens: TokenTensors) -> torch.Tensor:
+    """The logits after each row's logit bias and penalties; `logits` itself when no row has any."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    adjusted = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    chosen = [params[i] for i in rows]
+    part = add_logit_bias(logits[index], chosen)
+    part = apply_repetition_penalty(part, chosen, tokens)
+    adjusted[index] = apply_frequency_presence(part, chosen, tokens)
+    return adjusted
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in p.logit_bias]
+    if not entries:
+        return logits
+    rows, ids, biases = zip(*entries, strict=True)
+    index = (_ints(rows, logits.device), _ints(ids, logits.device))
+    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+                            accumulate=True)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, params: Sequence[SamplingParams],
+                             tokens: TokenTensors) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor per row, over the prompt and the generated tokens."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    histories = [_history(params[i]) for i in rows]
+    ids = [torch.cat([tokens.prompt(h), tokens.output(h)]) for h in histories]
+    seen = _occurrences(ids, logits.shape[-1], logits.device) > 0
+    penalty = torch.tensor([params[i].repetition_penalty for i in rows], dtype=logits.dtype,
+                           device=logits.device).unsqueeze(1)
+    index = _ints(rows, logits.device)
+    part = logits[index]
+    penalized = torch.where(part > 0, part / penalty, part * penalty)
+    out = logits.clone()
+    out[index] = torch.where(seen, penalized, part)
+    return out
+
+
+def apply_frequency_presence(logits: torch.Tensor, params: Sequence[SamplingParams],
+                             tokens: TokenTensors) -> torch.Tensor:
+    """OpenAI's penalties per row: counts of each token id among the generated tokens."""
+    rows = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+    if not rows:
+        return logits
+    counts = _occurrences([tokens.output(_history(params[i])) for i in rows], logits.shape[-1],
+                          logits.device).to(logits.dtype)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=logits.dtype,
+                             device=logits.device).unsqueeze(1)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=logits.dtype,
+                            device=logits.device).unsqueeze(1)
+    index = _ints(rows, logits.device)
+    out = logits.clone()
+    out[index] = logits[index] - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return out
+
+
+def _occurrences(ids: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(ids), vocab] int32: how often each token id occurs in each row's ids, in one scatter."""
+    lengths = torch.tensor([len(t) for t in ids], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(ids), device=device), lengths)
+    flat = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long, device=device)
+    counts = torch.zeros(len(ids), vocab, dtype=torch.int32, device=device)
+    return counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.int32), accumulate=True)
+
+
+def _history(params: SamplingParams) -> TokenHistory:
+    if params.history is None:
+        raise ValueError("a penalty needs the request's tokens: build the Request with these parameters")
+    return params.history
+
+
+def _ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+@dataclass
+class _Copies:
+    prompt: torch.Tensor | None  # the prompt's distinct token ids
+    output: torch.Tensor  # the generated token ids so far
+    owner: weakref.ref | None
+
+
+class TokenTensors:
+    """Device copies of each running request's token ids for the penalties: the prompt's copied
+    once, the output's extended by the tokens generated since the last step (not rebuilt from
+    Python lists every step). A copy is dropped when its request is garbage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._copies: dict[int, _Copies] = {}
+
+    def prompt(self, history: TokenHistory) -> torch.Tensor:
+        copies = self._copies_of(history)
+        if copies.prompt is None:
+            copies.prompt = torch.unique(torch.tensor(history.prompt_token_ids, dtype=torch.long)).to(self.device)
+        return copies.prompt
+
+    def output(self, history: TokenHistory) -> torch.Tensor:
+        copies = self._copies_of(history)
+        done, ids = len(copies.output), history.output_token_ids
+        if len(ids) < done:  # never happens to a Request; rebuilt rather than trusted
+            copies.output, done = copies.output[:0], 0
+        if len(ids) > done:
+            copies.output = torch.cat([copies.output, _ints(ids[done:], self.device)])
+        return copies.output
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def _copies_of(self, history: TokenHistory) -> _Copies:
+        key = id(history)
+        copies = self._copies.get(key)
+        if copies is not None and copies.owner is not None and copies.owner() is history:
+            return copies
+        copies = _Copies(None, torch.empty(0, dtype=torch.long, device=self.device), None)
+        try:  # dropped with its request; a history that cannot be weakly referenced is not kept
+            copies.owner = weakref.ref(history, lambda _, key=key, entries=self._copies: entries.pop(key, None))
+        except TypeError:
+            return copies
+        self._copies[key] = copies
+        return copies
 
 
 def _with_logprobs(token: int, logprobs: torch.Tensor, num_top: int) -> SampledToken:

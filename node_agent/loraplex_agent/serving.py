@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,7 @@ from tokenizers import pre_tokenizers
 from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError
 from loraplex_agent.async_engine import AsyncEngine
-from loraplex_agent.generation import GenerationJob, TextDelta, generate_text
+from loraplex_agent.generation import GenerationJob
 from loraplex_agent.metrics import ServerMetrics
 from loraplex_agent.openai_protocol import ChatMessage, _SamplingFields
 
@@ -106,22 +105,21 @@ class ServingContext:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
             stop=req.stop_strings(), stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias_pairs(self.engine.llm.model_config.vocab_size))
 
     def job(self, prefix: str, prompt_token_ids: list[int], sampling: SamplingParams,
             adapter: str | None) -> GenerationJob:
         return GenerationJob(f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids, sampling, adapter,
                              self.engine.llm.eos_token_ids)
 
-    async def start(self, job: GenerationJob) -> tuple[TextDelta, AsyncIterator[TextDelta]]:
-        """Submit `job` and wait for its first delta, so a refusal still gets a proper HTTP status."""
-        deltas = generate_text(self.engine, self.tokenizer, self.metrics, job)
-        try:
-            first = await anext(deltas)
-        except BaseException:
-            await deltas.aclose()
-            raise
-        return first, deltas
+    def shares_prefill(self, num_prompt_tokens: int) -> bool:
+        """Whether sibling sequences can start from one prefill of their prompt: the memory policy
+        keeps a prefix cache and the prompt has at least one full block before its last token."""
+        core = self.engine.core
+        return bool(getattr(core.memory, "keeps_prefixes", False)) and num_prompt_tokens > core.config.block_size
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False,
@@ -166,12 +164,6 @@ def _keeps_every_byte(pre_tokenizer: dict | None) -> bool:
 
 
 _KEEPING_STEPS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})  # unless behavior is Removed
-
-
-async def chain(first: TextDelta, rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
-    yield first
-    async for delta in rest:
-        yield delta
 
 
 def sse(payload: BaseModel | dict) -> str:

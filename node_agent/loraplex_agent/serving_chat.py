@@ -1,11 +1,11 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template; `n` choices."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from loraplex_agent.generation import GenerationJob, TextDelta
+from loraplex_agent.generation import TextDelta
 from loraplex_agent.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -19,7 +19,8 @@ from loraplex_agent.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from loraplex_agent.serving import SSE_DONE, ServingContext, chain, sse, sse_error
+from loraplex_agent.serving import SSE_DONE, ServingContext, sse, sse_error
+from loraplex_agent.serving_choices import Choices, sibling_jobs, start_choices
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
@@ -29,50 +30,55 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     adapter = ctx.resolve_model(req.model)
     prompt_ids = ctx.render_chat(req.messages)
     sampling = ctx.sampling_params(req, len(prompt_ids), req.max_new_tokens(), req.num_logprobs(), "messages")
-    job = ctx.job("chatcmpl", prompt_ids, sampling, adapter)
-    first, deltas = await ctx.start(job)
+    request_id, jobs = sibling_jobs(ctx, "chatcmpl", prompt_ids, sampling, adapter, req.num_sequences)
+    choices = await start_choices(ctx, request_id, jobs)
     if req.stream:
-        return _stream(ctx, req, job, first, deltas)
-    return await _collect(ctx, req, job, first, deltas)
+        return _stream(ctx, req, choices)
+    return await _collect(ctx, req, choices)
 
 
-async def _collect(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob, first: TextDelta,
-                   deltas: AsyncIterator[TextDelta]) -> ChatCompletionResponse:
-    logprobs = ChatLogprobs() if req.logprobs else None
-    text, last = [], first
-    async with aclosing(deltas):
-        async for delta in chain(first, deltas):
-            text.append(delta.text)
-            if logprobs is not None:
-                logprobs.content.extend(_token_logprobs(ctx, delta))
-            last = delta
-    choice = ChatChoice(message=AssistantMessage(content="".join(text)), logprobs=logprobs,
-                        finish_reason=last.finish_reason)
-    return ChatCompletionResponse(id=job.request_id, model=req.model, choices=[choice],
-                                  usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+async def _collect(ctx: ServingContext, req: ChatCompletionRequest, choices: Choices) -> ChatCompletionResponse:
+    texts: list[list[str]] = [[] for _ in choices.jobs]
+    logprobs = [ChatLogprobs() if req.logprobs else None for _ in choices.jobs]
+    last = list(choices.firsts)
+    async with aclosing(choices.deltas()) as deltas:
+        async for index, delta in deltas:
+            texts[index].append(delta.text)
+            if logprobs[index] is not None:
+                logprobs[index].content.extend(_token_logprobs(ctx, delta))
+            last[index] = delta
+    answers = [ChatChoice(index=i, message=AssistantMessage(content="".join(texts[i])), logprobs=logprobs[i],
+                          finish_reason=last[i].finish_reason) for i in range(len(choices.jobs))]
+    return ChatCompletionResponse(id=choices.request_id, model=req.model, choices=answers, usage=_usage(last))
 
 
-async def _stream(ctx: ServingContext, req: ChatCompletionRequest, job: GenerationJob, first: TextDelta,
-                  deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=job.request_id, model=req.model, choices=choices, usage=usage))
+def _usage(last: list[TextDelta]) -> Usage:
+    """The prompt once, and the generated tokens of every choice."""
+    return Usage.of(last[0].num_prompt_tokens, sum(delta.num_output_tokens for delta in last))
 
-    yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-    last = first
-    async with aclosing(deltas):
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: Choices) -> AsyncIterator[str]:
+    def chunk(chunk_choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=choices.request_id, model=req.model, choices=chunk_choices,
+                                       usage=usage))
+
+    for index in range(len(choices.jobs)):
+        yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+    last = list(choices.firsts)
+    async with aclosing(choices.deltas()) as deltas:
         try:
-            async for delta in chain(first, deltas):
-                last = delta
+            async for index, delta in deltas:
+                last[index] = delta
                 if delta.text or delta.finish_reason or delta.token_ids:
                     logprobs = ChatLogprobs(content=_token_logprobs(ctx, delta)) if req.logprobs else None
-                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=delta.text), logprobs=logprobs,
-                                                 finish_reason=delta.finish_reason)])
+                    yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(content=delta.text),
+                                                 logprobs=logprobs, finish_reason=delta.finish_reason)])
         except Exception as exc:
             yield sse_error(exc)
             yield SSE_DONE
             return
     if req.include_usage_in_stream():
-        yield chunk([], Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+        yield chunk([], _usage(last))
     yield SSE_DONE
 
 

@@ -1,11 +1,18 @@
-"""POST /v1/completions: one prompt (text or token ids) in, text out, whole or streamed."""
+"""POST /v1/completions: one prompt (text or token ids) in, `n` choices of text out, whole or streamed.
+
+`best_of` generates that many sequences and returns the `n` with the highest cumulative logprob
+(raw logprobs of every generated token). `echo` puts the prompt's text before each choice's text;
+with `logprobs`, the prompt's tokens come first with a null logprob (prompt logprobs are not
+computed: the engine samples the last row of a prefill only).
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
-from loraplex_agent.generation import GenerationJob, TextDelta
+from loraplex_agent.generation import TextDelta
 from loraplex_agent.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -13,7 +20,14 @@ from loraplex_agent.openai_protocol import (
     CompletionResponse,
     Usage,
 )
-from loraplex_agent.serving import SSE_DONE, ServingContext, chain, sse, sse_error
+from loraplex_agent.serving import SSE_DONE, ServingContext, sse, sse_error
+from loraplex_agent.serving_choices import Choices, sibling_jobs, start_choices
+
+
+@dataclass
+class _Echo:
+    text: str
+    token_ids: list[int]
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest
@@ -21,77 +35,123 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest
     """The whole response, or (when `req.stream`) the SSE lines of the stream."""
     req.check_supported()
     adapter = ctx.resolve_model(req.model)
-    prompt_ids = ctx.tokenize(req.single_prompt())
-    sampling = ctx.sampling_params(req, len(prompt_ids), req.max_tokens, req.logprobs, "prompt")
-    job = ctx.job("cmpl", prompt_ids, sampling, adapter)
-    first, deltas = await ctx.start(job)
+    prompt = req.single_prompt()
+    prompt_ids = ctx.tokenize(prompt)
+    # best_of ranks by the sampled tokens' logprobs, so they are computed even when not asked for
+    ranked = req.num_sequences > req.num_choices
+    logprobs = 0 if ranked and req.logprobs is None else req.logprobs
+    sampling = ctx.sampling_params(req, len(prompt_ids), req.max_tokens, logprobs, "prompt")
+    request_id, jobs = sibling_jobs(ctx, "cmpl", prompt_ids, sampling, adapter, req.num_sequences)
+    choices = await start_choices(ctx, request_id, jobs)
+    echo = _Echo(prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids), prompt_ids) \
+        if req.echo else None
     if req.stream:
-        return _stream(ctx, req, job, first, deltas)
-    return await _collect(ctx, req, job, first, deltas)
+        return _stream(ctx, req, choices, echo)
+    return await _collect(ctx, req, choices, echo)
 
 
-async def _collect(ctx: ServingContext, req: CompletionRequest, job: GenerationJob, first: TextDelta,
-                   deltas: AsyncIterator[TextDelta]) -> CompletionResponse:
-    logprobs = _LogprobsBuilder(ctx) if req.logprobs is not None else None
-    text, last = [], first
-    async with aclosing(deltas):
-        async for delta in chain(first, deltas):
-            text.append(delta.text)
-            if logprobs is not None:
-                logprobs.extend(delta)
-            last = delta
-    return CompletionResponse(id=job.request_id, model=req.model, choices=[CompletionChoice(
-        text="".join(text), logprobs=logprobs.build() if logprobs else None,
-        finish_reason=last.finish_reason)],
-        usage=Usage.of(last.num_prompt_tokens, last.num_output_tokens))
+async def _collect(ctx: ServingContext, req: CompletionRequest, choices: Choices,
+                   echo: _Echo | None) -> CompletionResponse:
+    texts = [_ChoiceText(ctx, req.logprobs is not None, echo) for _ in choices.jobs]
+    async with aclosing(choices.deltas()) as deltas:
+        async for index, delta in deltas:
+            texts[index].add(delta, fresh=False)
+    best = _best(texts, req.num_choices)
+    return CompletionResponse(id=choices.request_id, model=req.model,
+                              choices=[text.choice(index) for index, text in enumerate(best)],
+                              usage=_usage(texts))
 
 
-async def _stream(ctx: ServingContext, req: CompletionRequest, job: GenerationJob, first: TextDelta,
-                  deltas: AsyncIterator[TextDelta]) -> AsyncIterator[str]:
-    logprobs = _LogprobsBuilder(ctx) if req.logprobs is not None else None
-    last = first
-    async with aclosing(deltas):
+def _best(texts: list[_ChoiceText], n: int) -> list[_ChoiceText]:
+    """All choices in order, or (best_of > n) the n of highest cumulative logprob, best first."""
+    if len(texts) == n:
+        return texts
+    return sorted(texts, key=lambda t: t.last.cumulative_logprob, reverse=True)[:n]
+
+
+def _usage(texts: list[_ChoiceText]) -> Usage:
+    """The prompt once, and every generated token of every sequence (best_of's discarded ones too)."""
+    return Usage.of(texts[0].last.num_prompt_tokens, sum(t.last.num_output_tokens for t in texts))
+
+
+async def _stream(ctx: ServingContext, req: CompletionRequest, choices: Choices,
+                  echo: _Echo | None) -> AsyncIterator[str]:
+    texts = [_ChoiceText(ctx, req.logprobs is not None, echo) for _ in choices.jobs]
+    async with aclosing(choices.deltas()) as deltas:
         try:
-            async for delta in chain(first, deltas):
-                last = delta
-                if delta.text or delta.finish_reason or delta.token_ids:
-                    choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason,
-                                              logprobs=logprobs.add(delta).build() if logprobs else None)
-                    yield sse(CompletionResponse(id=job.request_id, model=req.model, choices=[choice]))
+            async for index, delta in deltas:
+                text, logprobs = texts[index].add(delta, fresh=True)
+                if text or delta.finish_reason or delta.token_ids:
+                    choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason,
+                                              logprobs=logprobs)
+                    yield sse(CompletionResponse(id=choices.request_id, model=req.model, choices=[choice]))
         except Exception as exc:
             yield sse_error(exc)
             yield SSE_DONE
             return
     if req.include_usage_in_stream():
-        usage = Usage.of(last.num_prompt_tokens, last.num_output_tokens)
-        yield sse(CompletionResponse(id=job.request_id, model=req.model, choices=[], usage=usage))
+        yield sse(CompletionResponse(id=choices.request_id, model=req.model, choices=[], usage=_usage(texts)))
     yield SSE_DONE
 
 
+class _ChoiceText:
+    """One choice: its text and logprobs, whole or per streamed delta; the echoed prompt goes first."""
+
+    def __init__(self, ctx: ServingContext, logprobs: bool, echo: _Echo | None) -> None:
+        self.logprobs = _LogprobsBuilder(ctx) if logprobs else None
+        self.echo = echo  # still to be sent
+        self.parts: list[str] = []
+        self.last = TextDelta("", [], [], None, 0, 0)
+
+    def add(self, delta: TextDelta, fresh: bool) -> tuple[str, CompletionLogprobs | None]:
+        """Take `delta` in; the text and (with `fresh`, only its own) logprobs it adds."""
+        text = delta.text
+        if self.logprobs is not None and fresh:
+            self.logprobs.restart()
+        if self.echo is not None:
+            text = self.echo.text + text
+            if self.logprobs is not None:
+                self.logprobs.extend_prompt(self.echo.token_ids)
+                self.logprobs.offset = len(self.echo.text)  # generated tokens' offsets point into the text
+            self.echo = None
+        if self.logprobs is not None:
+            self.logprobs.extend(delta)
+        self.parts.append(text)
+        self.last = delta
+        return text, self.logprobs.current if self.logprobs is not None else None
+
+    def choice(self, index: int) -> CompletionChoice:
+        return CompletionChoice(index=index, text="".join(self.parts), finish_reason=self.last.finish_reason,
+                                logprobs=self.logprobs.current if self.logprobs is not None else None)
+
+
 class _LogprobsBuilder:
-    """The legacy completions logprobs: parallel lists, one entry per generated token."""
+    """The legacy completions logprobs: parallel lists, one entry per token."""
 
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
         self.offset = 0
         self.current = CompletionLogprobs()
 
-    def add(self, delta: TextDelta) -> _LogprobsBuilder:
+    def restart(self) -> None:
         """Start a new set of entries (streaming sends each delta's tokens on their own)."""
         self.current = CompletionLogprobs()
-        return self.extend(delta)
 
-    def extend(self, delta: TextDelta) -> _LogprobsBuilder:
+    def extend_prompt(self, token_ids: list[int]) -> None:
+        """Echoed prompt tokens: their text, no logprob."""
+        for token_id in token_ids:
+            self._entry(self.ctx.token_text(token_id), None, None)
+
+    def extend(self, delta: TextDelta) -> None:
         for token_id, sampled in zip(delta.token_ids, delta.logprobs, strict=True):
             token = self.ctx.token_text(token_id)
-            self.current.tokens.append(token)
-            self.current.token_logprobs.append(sampled.logprob)
             top = {self.ctx.token_text(t): lp for t, lp in sampled.top_logprobs or []}
             top.setdefault(token, sampled.logprob)
-            self.current.top_logprobs.append(top)
-            self.current.text_offset.append(self.offset)
-            self.offset += len(token)
-        return self
+            self._entry(token, sampled.logprob, top)
 
-    def build(self) -> CompletionLogprobs:
-        return self.current
+    def _entry(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.current.tokens.append(token)
+        self.current.token_logprobs.append(logprob)
+        self.current.top_logprobs.append(top)
+        self.current.text_offset.append(self.offset)
+        self.offset += len(token)

@@ -49,15 +49,25 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_400(agent):
 
 
 @pytest.mark.parametrize(("params", "param"), [
-    ({"n": 2}, "n"),
-    ({"best_of": 3}, "best_of"),
-    ({"echo": True}, "echo"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 17}, "best_of"),
+    ({"best_of": 2, "stream": True}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"logprobs": 50}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "much"}}, "logit_bias.5"),
     ({"extra_body": {"top_k": -5}}, "top_k"),
     ({"extra_body": {"min_tokens": 9, "max_tokens": 3}}, "min_tokens"),
     ({"stop": [""]}, "stop"),
@@ -72,8 +82,12 @@ def test_invalid_completion_parameters_are_400(agent, params, param):
 
 
 @pytest.mark.parametrize(("params", "param"), [
-    ({"n": 3}, "n"),
+    ({"n": 17}, "n"),
     ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"logit_bias": {"1.5": 2}}, "logit_bias"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),

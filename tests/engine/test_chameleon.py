@@ -81,6 +81,26 @@ def test_a_request_larger_than_its_quota_runs_alone_in_its_queue():
     assert l1.status is RequestStatus.FINISHED
 
 
+@pytest.mark.parametrize("max_wait_s", [0.0, 1.0])
+def test_a_head_waiting_longer_than_max_wait_borrows_what_nobody_holds(max_wait_s):
+    core, _, clock = make_core(options={**STATIC, "max_wait_s": max_wait_s})
+    sched = core.scheduler
+    sched.configure([0.01], quota_tokens=[16, 100])
+    _, l0, l1 = add(core, small(0), large(0), large(1))
+    core.step()
+    assert is_running(l0) and not is_running(l1)  # 80 of queue 1's 100 held: L1 does not fit
+    clock.advance(1.5)
+    add(core, small(1))  # queue 0 never empties: it lends nothing
+    core.step()
+    if max_wait_s:
+        assert is_running(l1) and sched._entries["L1"].charged_to == SPARE
+        assert sched._held_total <= sched.token_pool  # borrowed from what nobody holds, never over-lent
+    else:
+        assert not is_running(l1)
+    drain(core, clock)
+    assert sched._held_total == 0
+
+
 def test_seats_are_split_so_no_queue_takes_them_all():
     core, _, _ = make_core(options=STATIC, max_num_seqs=4)
     sched = core.scheduler
