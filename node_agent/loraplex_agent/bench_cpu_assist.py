@@ -100,6 +100,8 @@ def probe_pass(args: argparse.Namespace, base_dir: Path, adapters: dict[str, Pat
     cold, warm = [], []
     for index, name in enumerate(adapters):
         cold.append(probe(llm, name, args.prompt_len, seed=2 * index))
+        while llm.core.memory.copies_in_flight:  # warm means on the device: an assisted copy may still run
+            llm.core.step()
         warm.append(probe(llm, name, args.prompt_len, seed=2 * index + 1))
     for request in background:
         llm.core.abort_request(request.request_id)
