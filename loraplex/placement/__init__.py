@@ -14,6 +14,7 @@ from loraplex.placement.operating_points import (
     default_operating_points,
 )
 from loraplex.placement.policy import POLICY_NAMES, PlacementPolicy, make_policy
+from loraplex.placement.slots import cap_slots
 from loraplex.placement.snapshot import (
     Placement,
     PlacementAdapter,
@@ -27,5 +28,5 @@ __all__ = [
     "OperatingPointsError", "Placement", "PlacementAdapter", "PlacementController", "PlacementError",
     "PlacementInput", "PlacementPolicy", "PlacementServer", "build_input",
     "default_operating_points", "ewma", "last_window", "make_forecaster", "make_policy",
-    "MaxReplicasPolicy", "cap_placement", "cap_routes",
+    "MaxReplicasPolicy", "cap_placement", "cap_routes", "cap_slots",
 ]

@@ -46,8 +46,8 @@ class _Observed:
     adapters: list[AdapterRecord]
     version: int | None
 
-    def fingerprint(self) -> tuple[frozenset[tuple[str, int]], frozenset[tuple[str, str, int]]]:
-        return (frozenset((s.id, s.max_rank) for s in self.servers),
+    def fingerprint(self) -> tuple[frozenset[tuple[str, int, int]], frozenset[tuple[str, str, int]]]:
+        return (frozenset((s.id, s.max_rank, s.max_adapters) for s in self.servers),
                 frozenset((a.name, a.digest, a.rank) for a in self.adapters))
 
 
@@ -63,7 +63,7 @@ def build_input(servers: Sequence[ServerRecord], adapters: Sequence[AdapterRecor
                          forecaster(demand.rates[a.name]) if a.name in demand.rates else a.expected_tps,
                          a.locations, floors.get(a.name, 1))
         for a in adapters]
-    placement_servers = [PlacementServer(s.id, s.max_rank) for s in servers]
+    placement_servers = [PlacementServer(s.id, s.max_rank, max_adapters=s.max_adapters) for s in servers]
     return PlacementInput(placement_servers, placement_adapters, operating_points, previous)
 
 

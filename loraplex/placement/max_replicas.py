@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from loraplex.placement.policy import PlacementPolicy
+from loraplex.placement.slots import cap_slots
 from loraplex.placement.snapshot import Placement, PlacementInput
 
 
@@ -32,12 +33,13 @@ def cap_placement(placement: Placement, maximum: Mapping[str, int]) -> Placement
 
 
 class MaxReplicasPolicy:
-    """`inner`, then `cap_placement`. `maximum` is asked at each placement for {adapter: replicas.max}
-    because deployments change between placements; adapters it leaves out have no cap."""
+    """`inner`, then `cap_placement`, then the servers' adapter slots (`cap_slots`). `maximum` is asked
+    at each placement for {adapter: replicas.max} because deployments change between placements;
+    adapters it leaves out have no cap."""
 
     def __init__(self, inner: PlacementPolicy, maximum: Callable[[], Mapping[str, int]]) -> None:
         self.inner, self.maximum = inner, maximum
         self.name = inner.name
 
     def place(self, inp: PlacementInput) -> Placement:
-        return cap_placement(self.inner.place(inp), self.maximum())
+        return cap_slots(cap_placement(self.inner.place(inp), self.maximum()), inp)

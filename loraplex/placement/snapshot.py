@@ -21,6 +21,7 @@ class PlacementServer:
     id: str
     max_rank: int          # the largest adapter rank the server's engine accepts
     healthy: bool = True   # unhealthy servers are never placed on
+    max_adapters: int = 0  # adapters it can hold at once (a vLLM server's max_cpu_loras); 0: no limit
 
 
 @dataclass(frozen=True)

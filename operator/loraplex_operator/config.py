@@ -7,12 +7,14 @@ import os
 from dataclasses import dataclass
 
 from loraplex.routing.keys import validate_pool_name
+from loraplex.spec.crd import DEFAULT_VLLM_IMAGE
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
     redis_url: str = "redis://loraplex-redis:6379/0"
     agent_image: str = "ghcr.io/loraplex/loraplex-agent:0.1.0"
+    vllm_image: str = DEFAULT_VLLM_IMAGE  # the vLLM container of pools with engine.backend vllm and no engine.vllm.image
     # Secret (in the pool's namespace) with key `api-key`: the bearer key of the agents' load/unload
     # endpoints. Empty: the agents run without one.
     agent_api_key_secret: str = ""
@@ -35,6 +37,7 @@ class OperatorConfig:
         return cls(
             redis_url=env.get("LORAPLEX_REDIS_URL", defaults.redis_url),
             agent_image=env.get("LORAPLEX_AGENT_IMAGE", defaults.agent_image),
+            vllm_image=env.get("LORAPLEX_VLLM_IMAGE") or defaults.vllm_image,
             agent_api_key_secret=env.get("LORAPLEX_AGENT_API_KEY_SECRET", ""),
             heartbeat_ttl_seconds=float(env.get("LORAPLEX_HEARTBEAT_TTL", defaults.heartbeat_ttl_seconds)),
             tick_seconds=float(env.get("LORAPLEX_TICK_SECONDS", defaults.tick_seconds)),

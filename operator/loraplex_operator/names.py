@@ -12,6 +12,7 @@ MANAGER = "loraplex-operator"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 AGENT_PORT = 8000
 AGENT_PORT_NAME = "http"
+VLLM_PORT_NAME = "vllm"  # the vLLM server of a pool with engine.backend vllm (its port: engine.vllm.port)
 
 
 def statefulset_name(pool: str) -> str:
@@ -25,6 +26,10 @@ def service_name(pool: str) -> str:
 
 def configmap_name(pool: str) -> str:
     return f"{pool}-agent"
+
+
+def vllm_plugin_configmap_name(pool: str) -> str:
+    return f"{pool}-vllm-plugin"
 
 
 def pdb_name(pool: str) -> str:

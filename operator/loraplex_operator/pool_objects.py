@@ -17,6 +17,16 @@ from typing import Any
 from loraplex.spec.crd import AdapterPoolSpec
 from loraplex_operator import names
 from loraplex_operator.config import OperatorConfig
+from loraplex_operator.vllm_objects import (
+    AGENT_RESOURCES,
+    PLUGIN_DIR,
+    plugin_data,
+    plugin_volume,
+    uses_vllm,
+    vllm_agent_args,
+    vllm_container,
+    vllm_settings,
+)
 
 MODELS_DIR = "/var/lib/loraplex/models"
 ADAPTERS_DIR = "/var/lib/loraplex/adapters"
@@ -50,7 +60,7 @@ def volume_conflicts(spec: AdapterPoolSpec) -> str:
     for mount in spec.servers.volume_mounts:
         path = str(mount.get("mountPath", ""))
         problems += [f"volumeMount {mount.get('name')!r} at {path!r} overlaps the agent's {own!r}"
-                     for own in OWN_MOUNTS.values() if path and _nested(path, own)]
+                     for own in [*OWN_MOUNTS.values(), PLUGIN_DIR] if path and _nested(path, own)]
     return "; ".join(problems)
 
 
@@ -109,6 +119,8 @@ def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig)
         data["LORAPLEX_MAX_MODEL_LEN"] = str(engine.max_model_len)
     if engine.kv_cache_memory_gib is not None:
         data["LORAPLEX_KV_CACHE_MEMORY"] = f"{engine.kv_cache_memory_gib:g}"
+    if uses_vllm(spec):
+        data.update(vllm_settings(spec))
     return data
 
 
@@ -122,12 +134,20 @@ def build_configmap(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig
             "data": agent_settings(pool, spec, config)}
 
 
-def build_service(pool: PoolRef) -> dict[str, Any]:
+def build_vllm_plugin_configmap(pool: PoolRef) -> dict[str, Any]:
+    """The plug-in module the vLLM containers load (`--middleware loraplex_vllm.LoraplexMiddleware`)."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _metadata(pool, names.vllm_plugin_configmap_name(pool.name)), "data": plugin_data()}
+
+
+def build_service(pool: PoolRef, spec: AdapterPoolSpec | None = None) -> dict[str, Any]:
+    """Headless; a vLLM pool's Service also names the vLLM port (the ServiceMonitor scrapes its metrics)."""
+    ports = [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT, "targetPort": names.AGENT_PORT_NAME}]
+    if spec is not None and uses_vllm(spec):
+        ports.append({"name": names.VLLM_PORT_NAME, "port": spec.engine.vllm.port, "targetPort": names.VLLM_PORT_NAME})
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(pool, names.service_name(pool.name)),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                     "selector": names.selector_labels(pool.name),
-                     "ports": [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT,
-                                "targetPort": names.AGENT_PORT_NAME}]}}
+                     "selector": names.selector_labels(pool.name), "ports": ports}}
 
 
 def build_pdb(pool: PoolRef, spec: AdapterPoolSpec) -> dict[str, Any]:
@@ -140,6 +160,8 @@ def build_pdb(pool: PoolRef, spec: AdapterPoolSpec) -> dict[str, Any]:
 def agent_args(spec: AdapterPoolSpec) -> list[str]:
     """`loraplex agent` flags; values come from the ConfigMap environment so that one edit of the
     ConfigMap (and its hash) is the whole change."""
+    if uses_vllm(spec):
+        return vllm_agent_args(spec)
     args = ["agent", "--model", "$(LORAPLEX_MODEL)", "--served-model-name", "$(LORAPLEX_SERVED_MODEL_NAME)",
             "--host", "0.0.0.0", "--port", str(names.AGENT_PORT), "--dtype", "$(LORAPLEX_DTYPE)",
             "--max-lora-rank", "$(LORAPLEX_MAX_LORA_RANK)", "--max-loras", "$(LORAPLEX_MAX_LORAS)",
@@ -170,6 +192,8 @@ def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec) -> list[d
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "LORAPLEX_ADVERTISE_URL", "value": f"http://{fqdn}:{names.AGENT_PORT}"},
     ]
+    if uses_vllm(spec):  # the router sends requests to the vLLM container
+        env.append({"name": "LORAPLEX_VLLM_ADVERTISE_URL", "value": f"http://{fqdn}:{spec.engine.vllm.port}"})
     if config.agent_api_key_secret:
         env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": config.agent_api_key_secret, "key": "api-key"}}})
@@ -194,8 +218,25 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures, "timeoutSeconds": 5}
 
 
+def _mounts(spec: AdapterPoolSpec) -> list[dict[str, Any]]:
+    return [{"name": name, "mountPath": path} for name, path in OWN_MOUNTS.items()] + list(spec.servers.volume_mounts)
+
+
+def _security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _containers(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> list[dict[str, Any]]:
+    """The agent; with engine.backend vllm, the vLLM server beside it (which gets the GPUs)."""
+    agent = _container(pool, spec, config)
+    if not uses_vllm(spec):
+        return [agent]
+    vllm = vllm_container(spec, config.vllm_image, model_path(spec.base_model.source), _mounts(spec), ADAPTERS_DIR,
+                          _resources(spec), _security(), f"{MODELS_DIR}/.hf")
+    return [{**agent, "resources": AGENT_RESOURCES}, vllm]
+
+
 def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
-    mounts = [{"name": name, "mountPath": path} for name, path in OWN_MOUNTS.items()]
     return {
         "name": "agent",
         "image": spec.servers.image or config.agent_image,
@@ -210,8 +251,8 @@ def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> 
         "startupProbe": _probe("/health", 10, 180),
         "readinessProbe": _probe("/health", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
-        "volumeMounts": mounts + list(spec.servers.volume_mounts),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": _mounts(spec),
+        "securityContext": _security(),
     }
 
 
@@ -219,13 +260,15 @@ def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> d
     servers = spec.servers
     image = servers.image or config.agent_image
     pod: dict[str, Any] = {
-        "containers": [_container(pool, spec, config)],
+        "containers": _containers(pool, spec, config),
         "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
                             "fsGroup": USER_ID},
         "terminationGracePeriodSeconds": 60,  # lets running requests finish
         "volumes": [{"name": MODELS_VOLUME, "emptyDir": {}}, {"name": ADAPTERS_VOLUME, "emptyDir": {}},
                     {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] + list(servers.volumes),
     }
+    if uses_vllm(spec):
+        pod["volumes"].append(plugin_volume(pool.name))
     fetch = fetch_model_container(spec, image)
     if fetch is not None:
         pod["initContainers"] = [fetch]
@@ -239,7 +282,8 @@ def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> d
 
 
 def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> dict[str, Any]:
-    settings_hash = config_hash(agent_settings(pool, spec, config))
+    settings = agent_settings(pool, spec, config)
+    settings_hash = config_hash({**settings, **plugin_data()} if uses_vllm(spec) else settings)
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _metadata(pool, names.statefulset_name(pool.name)),
@@ -261,5 +305,6 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
 
 def pool_objects(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> list[dict[str, Any]]:
     """Everything the pool owns, in the order to apply it (the ConfigMap before the pods that read it)."""
-    return [build_configmap(pool, spec, config), build_service(pool), build_pdb(pool, spec),
+    plugin = [build_vllm_plugin_configmap(pool)] if uses_vllm(spec) else []
+    return [build_configmap(pool, spec, config), *plugin, build_service(pool, spec), build_pdb(pool, spec),
             build_statefulset(pool, spec, config, replicas)]

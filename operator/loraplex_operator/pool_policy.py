@@ -1,5 +1,6 @@
-"""The placement policy the operator runs for a pool: the named policy, then `replicas.max`, then a
-measure of the busiest server, all before the controller compares and publishes (one version).
+"""The placement policy the operator runs for a pool: the named policy, then `replicas.max`, then the
+servers' adapter slots (a vLLM server's max_cpu_loras), then a measure of the busiest server, all
+before the controller compares and publishes (one version).
 
 The busiest server's forecast load (in servers: 1.0 is what one server sustains under the SLO) tells
 a real capacity shortfall from an imbalance. The policy's `overloaded` servers are those above its
@@ -13,6 +14,7 @@ from dataclasses import replace
 
 from loraplex.placement.max_replicas import cap_placement
 from loraplex.placement.policy import PlacementPolicy
+from loraplex.placement.slots import cap_slots
 from loraplex.placement.snapshot import Placement, PlacementInput
 
 # The stat (also kept in the routing table's meta) with the busiest server's forecast load.
@@ -37,6 +39,6 @@ class PoolPolicy:
         self.name = inner.name
 
     def place(self, inp: PlacementInput) -> Placement:
-        placement = cap_placement(self.inner.place(inp), self.maximum())
+        placement = cap_slots(cap_placement(self.inner.place(inp), self.maximum()), inp)
         busiest = max(server_loads(inp, placement.weights).values(), default=0.0)
         return replace(placement, stats={**placement.stats, MAX_SERVER_LOAD: round(busiest, 6)})

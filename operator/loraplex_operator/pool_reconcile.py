@@ -30,9 +30,9 @@ from loraplex.spec.crd import (
 )
 from loraplex_operator.adapter_reconcile import RetryLater, adapter_view, rank_too_large, register_adapter
 from loraplex_operator.adapter_status import (
+    PLACEMENT_REASONS,
     RANK_TOO_LARGE,
     TICK_REASONS,
-    UNPLACEABLE,
     AdapterView,
     Event,
     adapter_status,
@@ -200,7 +200,7 @@ def _prune_registry(spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo]
     for name, record in records.items():
         d = by_name.get(name)
         failed = d is not None and _handled(d) and d.status is not None and d.status.phase == "Failed" \
-            and d.status.reason != UNPLACEABLE
+            and d.status.reason not in PLACEMENT_REASONS
         if d is None or failed or rank_too_large(record.rank, spec):
             store.remove_adapter(name)
             removed.append(name)

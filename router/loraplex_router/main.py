@@ -12,7 +12,9 @@ import logging
 import uvicorn
 
 from loraplex.cli import CommandError
+from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import make_profile, parse_weights
+from loraplex.routing.rank_aware import RankAwareConfig, parse_options
 from loraplex.spec.errors import LoraplexError
 from loraplex.startup import listen_socket, open_store
 from loraplex_router.app import RouterSettings, create_app
@@ -22,7 +24,9 @@ from loraplex_router.auth import KeyRing, load_keys
 def profile_from_args(args: argparse.Namespace):
     try:
         scorers = parse_weights(args.scorers) if args.scorers else None
-        return make_profile(args.profile, scorers=scorers, picker=args.picker)
+        options = getattr(args, "routing_option", None)
+        rank_aware = RankAwareConfig.from_options(parse_options(options)) if options else None
+        return make_profile(args.profile, scorers=scorers, picker=args.picker, rank_aware=rank_aware)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
 
@@ -36,9 +40,23 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         raise CommandError("--max-attempts must be at least 1")
     if args.max_request_bytes < 1:
         raise CommandError("--max-request-bytes must be at least 1")
+    if not args.ttfb_deadline >= 0:
+        raise CommandError("--ttfb-deadline must be >= 0 (0: no deadline)")
     return RouterSettings(profile=profile_from_args(args), keys=keys, base_model=args.base_model,
                           poll_interval_s=args.poll_interval, connect_timeout_s=args.connect_timeout,
-                          max_attempts=args.max_attempts, max_request_bytes=args.max_request_bytes)
+                          max_attempts=args.max_attempts, max_request_bytes=args.max_request_bytes,
+                          ttfb_deadline_s=args.ttfb_deadline, outliers=outliers_from_args(args))
+
+
+def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:
+    if args.eject_after < 0:
+        raise CommandError("--eject-after must be >= 0 (0: never eject)")
+    if not args.ejection_time > 0:
+        raise CommandError("--ejection-time must be positive")
+    if not 0 <= args.max_ejected_fraction <= 1:
+        raise CommandError("--max-ejected-fraction must be between 0 and 1")
+    return OutlierConfig(consecutive=args.eject_after, base_ejection_s=args.ejection_time,
+                         max_ejected_fraction=args.max_ejected_fraction)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,24 @@ class RouterMetrics:
         self.store_errors = Counter("loraplex_router_store_errors", "Failed reads or writes to the store",
                                     registry=r)
         self.servers = Gauge("loraplex_router_servers", "Live servers in the snapshot", registry=r)
+        self._outliers(r)
+
+    def _outliers(self, r: CollectorRegistry) -> None:
+        self.abandoned = Counter("loraplex_router_attempts_abandoned",
+                                 "Attempts given up before their first byte and sent elsewhere, by server and "
+                                 "reason (deadline|silent|ejected|gone)", ["server", "reason"], registry=r)
+        self.ejections = Counter("loraplex_router_ejections", "Servers ejected by outlier detection, by server "
+                                 "and the failure that ejected them (deadline|transport|connect|silent)",
+                                 ["server", "reason"], registry=r)
+        self.ejection_overflows = Counter("loraplex_router_ejection_overflows",
+                                          "Ejections not made because the max ejected fraction was out", registry=r)
+        self.servers_dropped = Counter("loraplex_router_servers_dropped",
+                                       "Silent servers removed from the registry before their heartbeat TTL ran "
+                                       "out", ["server"], registry=r)
+        self.ejected = Gauge("loraplex_router_ejected_servers", "Servers ejected now", registry=r)
+        self.ttfb_deadline = Gauge("loraplex_router_ttfb_deadline_seconds",
+                                   "The time-to-first-byte deadline of streamed requests now (+Inf: none)",
+                                   registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

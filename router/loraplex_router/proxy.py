@@ -1,22 +1,35 @@
 """Forwarding one request: pick a server with the routing profile, send, stream the answer back.
 
 A request is sent again to another server when the attempt fails before the first byte of the
-answer (connection refused or reset, server gone, 502/503/504 from the server): nothing has reached
-the client yet, so nothing is lost or duplicated. Once the first byte is through, the answer is
-committed to that server. A server that failed is avoided for `cooldown_s` so that requests do not
-keep hitting a dead agent before its heartbeat expires.
+answer: nothing has reached the client yet, so nothing is lost or duplicated. Once the first byte is
+through, the answer is committed to that server. An attempt fails before its first byte when
+
+- the connection fails or breaks, or the server answers 502/503/504;
+- it is *given up* (abandoned there: the server sees the client go away), which happens when a
+  streamed request got no first chunk within the time-to-first-byte deadline, when the server was
+  ejected meanwhile, when the server's heartbeat is late and the attempt has waited as long (the
+  process has stopped: it neither answers nor heartbeats), or when the server left the registry. A
+  request's last allowed attempt is never given up, nor one with no other server left to try:
+  waiting beats failing.
+
+Deadline misses and failed connections feed the outlier detector (`loraplex.routing.outliers`);
+no request picks an ejected server until its ejection ends. A server ejected for silence is also
+dropped from the registry at once (`TableCache.drop_server`), not when its heartbeat TTL runs out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
 from loraplex.routing.pipeline import NoCandidateError, Profile
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
@@ -29,10 +42,41 @@ RETRY_STATUSES = frozenset({502, 503, 504})
 SERVER_HEADER = "x-loraplex-server"
 ADAPTER_HEADER = "x-loraplex-adapter"
 _USAGE_OPTION = b'{"stream_options":{"include_usage":true},'  # opens the object it is spliced into
+CHECK_INTERVAL_S = 0.25  # how often an attempt waiting for its first byte looks at its server
+DROP_WAIT_S = 2.0  # how long attempts given up on a silent server wait for its drop before retrying
+
+log = logging.getLogger("loraplex.router")
 
 
 class _AttemptFailed(Exception):
     """This server failed before the first byte; try another one."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    max_attempts: int = 3          # servers tried per request
+    ttfb_deadline_s: float = 10.0  # for a streamed request's first chunk (at least: see TtfbDeadline); 0: none
+    outliers: OutlierConfig = field(default_factory=OutlierConfig)
+    check_interval_s: float = CHECK_INTERVAL_S
+
+
+@dataclass
+class _Opened:
+    """An attempt past its first byte: the response and, for a stream, its first chunk and the rest."""
+
+    upstream: httpx.Response
+    first: bytes | None = None
+    chunks: AsyncIterator[bytes] | None = None
+
+
+@dataclass
+class _Attempt:
+    server: str
+    tried: set[str]       # the servers this request has tried, this one included
+    last: bool            # the request's last allowed attempt: never given up
+    stream: bool
+    started: float = field(default_factory=time.monotonic)
+    silence_reported: bool = False
 
 
 @dataclass
@@ -64,34 +108,45 @@ def prepare_body(body: dict, raw: bytes) -> tuple[bytes, bool, bool]:
 
 
 class Proxy:
-    def __init__(self, client: httpx.AsyncClient, profile: Profile, metrics: RouterMetrics,
-                 demand: DemandCounter, max_attempts: int = 3, cooldown_s: float = 5.0) -> None:
+    def __init__(self, client: httpx.AsyncClient, profile: Profile, metrics: RouterMetrics, demand: DemandCounter,
+                 config: ProxyConfig, view: Callable[[], Snapshot], wall: Callable[[], float] = time.time,
+                 detector: OutlierDetector | None = None,
+                 drop: Callable[[str, float], object] | None = None) -> None:
+        """`view` gives the router's current snapshot (fresher than a request's own after a long wait);
+        `wall` is the clock of the snapshots' read times; `drop(server, heartbeat_at)` removes a silent
+        server from the registry (blocking: it runs in a worker thread)."""
         self.client = client
         self.profile = profile
         self.metrics = metrics
         self.demand = demand
-        self.max_attempts = max_attempts
-        self.cooldown_s = cooldown_s
+        self.config = config
+        self.view = view
+        self.wall = wall
+        self.detector = detector or OutlierDetector(config.outliers)
+        self.drop = drop
+        self._dropping: dict[str, asyncio.Future] = {}  # silent servers being dropped from the registry
+        self.deadline = TtfbDeadline(config.ttfb_deadline_s)
         self.in_flight: dict[str, int] = {}
-        self._down_until: dict[str, float] = {}
+        self.metrics.ttfb_deadline.set(self.deadline.current())
 
     async def forward(self, snapshot: Snapshot, fwd: Forward) -> Response:
         tried: set[str] = set()
-        for attempt in range(self.max_attempts):
+        for attempt in range(self.config.max_attempts):
             server = self._pick(snapshot, fwd.adapter, tried)
             tried.add(server)
             if attempt:
                 self.metrics.retries.inc()
+            last = attempt + 1 == self.config.max_attempts
             try:
-                return await self._attempt(snapshot, server, fwd)
+                return await self._attempt(snapshot, fwd, _Attempt(server, tried, last, fwd.stream))
             except _AttemptFailed:
                 self.metrics.upstream_failures.labels(server).inc()
         raise UpstreamError(f"{len(tried)} servers failed before answering: {sorted(tried)}")
 
     def _pick(self, snapshot: Snapshot, adapter: str | None, tried: set[str]) -> str:
-        now = time.monotonic()
-        down = tried | {s for s, until in self._down_until.items() if until > now}
-        candidates = snapshot.candidates(adapter, down, self.in_flight)
+        ejected = self.detector.ejected(self.view().servers)
+        self.metrics.ejected.set(len(ejected))
+        candidates = snapshot.candidates(adapter, tried | ejected, self.in_flight)
         try:
             server = self.profile.pick(snapshot.route_request(adapter), candidates).server_id
         except NoCandidateError as exc:
@@ -100,7 +155,8 @@ class Proxy:
         self.metrics.picks.labels(server).inc()
         return server
 
-    async def _attempt(self, snapshot: Snapshot, server: str, fwd: Forward) -> Response:
+    async def _attempt(self, snapshot: Snapshot, fwd: Forward, attempt: _Attempt) -> Response:
+        server = attempt.server
         url = snapshot.servers[server].url.rstrip("/") + fwd.path
         headers = {"content-type": "application/json"}
         if fwd.adapter is not None:
@@ -108,22 +164,144 @@ class Proxy:
         request = self.client.build_request("POST", url, content=fwd.payload, headers=headers)
         self._enter(server)
         try:
-            upstream = await self.client.send(request, stream=True)
-            if upstream.status_code in RETRY_STATUSES:
-                await upstream.aclose()
-                raise _AttemptFailed(server)
-            if fwd.stream and upstream.status_code == 200:
-                return await self._stream(server, upstream, fwd)  # takes over the in-flight count
-            response = await self._whole(server, upstream, fwd)
-        except httpx.TransportError as exc:
-            self._mark_down(server)
-            self._leave(server)
-            raise _AttemptFailed(server) from exc
+            opened = await self._open(request, attempt)
+            if opened.first is not None:
+                return self._stream(server, opened, fwd)  # takes over the in-flight count
+            response = await self._whole(server, opened.upstream, fwd)
         except BaseException:
             self._leave(server)
             raise
         self._leave(server)
         return response
+
+    # ---- up to the first byte ---------------------------------------------------------------
+
+    async def _open(self, request: httpx.Request, attempt: _Attempt) -> _Opened:
+        """The attempt past its first byte; _AttemptFailed (the failure counted) if it does not get there."""
+        task = asyncio.ensure_future(self._send(request, attempt.stream))
+        try:
+            opened = await self._watch(task, attempt)
+        except httpx.TransportError as exc:
+            connect = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+            self._failed(attempt.server, Failure.CONNECT if connect else Failure.TRANSPORT)
+            raise _AttemptFailed(attempt.server) from exc
+        if opened.upstream.status_code in RETRY_STATUSES:
+            await opened.upstream.aclose()
+            raise _AttemptFailed(attempt.server)  # it answered, so it runs: not an outlier
+        self.detector.record_success(attempt.server)
+        if opened.first is not None:
+            self.deadline.observe(time.monotonic() - attempt.started)
+            self.metrics.ttfb_deadline.set(self.deadline.current())
+        return opened
+
+    async def _send(self, request: httpx.Request, stream: bool) -> _Opened:
+        upstream = await self.client.send(request, stream=True)
+        if not stream or upstream.status_code != 200:
+            return _Opened(upstream)
+        chunks = upstream.aiter_raw()
+        try:
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            await upstream.aclose()
+            raise httpx.RemoteProtocolError("the server closed the stream before sending anything") from None
+        except BaseException:
+            await upstream.aclose()
+            raise
+        return _Opened(upstream, first, chunks)
+
+    async def _watch(self, task: asyncio.Future, attempt: _Attempt) -> _Opened:
+        """Waits for the first byte, looking at the server every check interval."""
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._next_check(attempt))
+                if done:
+                    return task.result()
+                reason = self._give_up_reason(attempt)
+                if reason is not None:
+                    await self._dropped(attempt.server)
+                    return await self._abandon(task, attempt.server, reason)
+        except BaseException:
+            task.cancel()  # the client went away, or the attempt failed: stop sending there
+            raise
+
+    def _next_check(self, attempt: _Attempt) -> float | None:
+        if attempt.last:
+            return None  # never given up: wait for the answer (bounded by the client's read timeout)
+        check = self.config.check_interval_s
+        to_deadline = attempt.started + self.deadline.current() - time.monotonic()
+        return min(check, to_deadline) if attempt.stream and to_deadline > 0 else check
+
+    def _give_up_reason(self, attempt: _Attempt) -> str | None:
+        """Why to give the attempt up now, or None to go on waiting."""
+        view = self.view()
+        ejected = self.detector.ejected(view.servers)
+        if all(s in attempt.tried or s in ejected for s in view.servers):
+            return None  # nowhere else to go
+        server, waited = attempt.server, time.monotonic() - attempt.started
+        if server not in view.servers:
+            return "gone"
+        if server in ejected:
+            return "ejected"
+        if attempt.stream and waited >= self.deadline.current():
+            self._failed(server, Failure.DEADLINE)
+            return "deadline"
+        return "silent" if self._silent(view, attempt, waited) else None
+
+    def _silent(self, view: Snapshot, attempt: _Attempt, waited: float) -> bool:
+        """True when the server neither answered nor heartbeat for as long as its heartbeat may be late
+        (the process has stopped) and it could be ejected for it (then every attempt there is given up).
+        Not while more servers are late than may be ejected: a cause they share (Redis, the network,
+        the machine) singles none of them out."""
+        late_after = view.late_after_s(attempt.server)
+        if attempt.silence_reported or late_after is None or waited <= late_after:
+            return False
+        now = self.wall()
+        if not view.heartbeat_late(attempt.server, now):
+            return False
+        if view.late_heartbeats(now) > self.config.outliers.limit(len(view.servers)):
+            return False
+        attempt.silence_reported = True
+        if self._failed(attempt.server, Failure.SILENT) is not Outcome.EJECTED:
+            return False
+        if self.drop is not None:
+            heartbeat_at = view.servers[attempt.server].heartbeat_at
+            dropping = asyncio.ensure_future(asyncio.to_thread(self.drop, attempt.server, heartbeat_at))
+            self._dropping[attempt.server] = dropping
+            dropping.add_done_callback(lambda done, server=attempt.server: self._drop_done(server, done))
+        return True
+
+    def _drop_done(self, server: str, done: asyncio.Future) -> None:
+        if self._dropping.get(server) is done:
+            del self._dropping[server]
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("dropping server %s from the registry failed: %r", server, done.exception())
+
+    async def _dropped(self, server: str) -> None:
+        """Until the server's drop from the registry (if one is under way) is done: a request sent
+        elsewhere before it could find that server asks it for an adapter copy."""
+        dropping = self._dropping.get(server)
+        if dropping is not None:
+            await asyncio.wait({dropping}, timeout=DROP_WAIT_S)
+
+    async def _abandon(self, task: asyncio.Future, server: str, reason: str) -> _Opened:
+        task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is None:
+            return task.result()  # it answered just now: take it
+        self.metrics.abandoned.labels(server, reason).inc()
+        raise _AttemptFailed(server)
+
+    def _failed(self, server: str, failure: Failure) -> Outcome:
+        outcome = self.detector.record_failure(server, failure, self.view().servers)
+        if outcome is Outcome.EJECTED:
+            self.metrics.ejections.labels(server, failure.value).inc()
+            log.warning("server %s ejected (%s) for %.0f s at most", server, failure.value,
+                        self.detector.ejection_ends_in(server) or 0.0)
+        elif outcome is Outcome.OVERFLOW:
+            self.metrics.ejection_overflows.inc()
+        return outcome
+
+    # ---- the answer -------------------------------------------------------------------------
 
     async def _whole(self, server: str, upstream: httpx.Response, fwd: Forward) -> Response:
         try:
@@ -137,19 +315,11 @@ class Proxy:
         return Response(body, status_code=upstream.status_code, headers={SERVER_HEADER: server},
                         media_type=upstream.headers.get("content-type", "application/json"))
 
-    async def _stream(self, server: str, upstream: httpx.Response, fwd: Forward) -> StreamingResponse:
-        chunks = upstream.aiter_raw()
-        try:
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            await upstream.aclose()
-            raise httpx.RemoteProtocolError("the server closed the stream before sending anything") from None
-        except BaseException:
-            await upstream.aclose()
-            raise
+    def _stream(self, server: str, opened: _Opened, fwd: Forward) -> StreamingResponse:
         self.metrics.time_to_first_byte.observe(time.monotonic() - fwd.arrived_at)
         tap = UsageTap(forward_usage_chunk=fwd.client_wants_usage)
-        return StreamingResponse(self._relay(server, upstream, first, chunks, tap, fwd),
+        upstream = opened.upstream
+        return StreamingResponse(self._relay(server, upstream, opened.first, opened.chunks, tap, fwd),
                                  media_type=upstream.headers.get("content-type", "text/event-stream"),
                                  headers={SERVER_HEADER: server, "cache-control": "no-cache"})
 
@@ -193,9 +363,6 @@ class Proxy:
     def _leave(self, server: str) -> None:
         self.in_flight[server] = max(0, self.in_flight.get(server, 1) - 1)
         self.metrics.in_flight.labels(server).set(self.in_flight[server])
-
-    def _mark_down(self, server: str) -> None:
-        self._down_until[server] = time.monotonic() + self.cooldown_s
 
 
 def _usage_of(body: bytes) -> Usage | None:

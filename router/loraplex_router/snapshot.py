@@ -5,6 +5,12 @@ A server's live batch (its open requests by rank, for rank-aware routing) is off
 only while its heartbeat is at most `batch_max_age_s` old when the snapshot is read; an older one,
 or none, leaves `Candidate.batch` empty and the rank-aware profile routes by φ instead. Requests
 this router sent to a server beyond those the heartbeat counted are added to its batch.
+
+Heartbeats are also watched for lateness (`heartbeat_late`): a server whose process stopped
+(SIGSTOP, a long pause, a frozen node) stops heartbeating long before its registry entry expires.
+Lateness is measured on the router's clock from when a heartbeat was first *seen*, against the
+server's own interval (learned from its heartbeats' timestamps), so the agents' clocks never need
+to agree with the router's.
 """
 
 from __future__ import annotations
@@ -18,6 +24,35 @@ from loraplex.routing.records import AdapterRecord, ServerBatch, ServerRecord
 from loraplex.routing.table import RoutingTable
 
 BATCH_MAX_AGE_S = 5.0  # a heartbeat's batch older than this (2.5 agent heartbeats) is not trusted
+LATE_INTERVALS = 2.0  # a heartbeat is late after this many of the server's intervals (plus one poll)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What the router saw of one server's heartbeats. `sent_at` is the agent's clock (compared only
+    with its own earlier values); `seen_at` the router's clock when this heartbeat was first read."""
+
+    sent_at: float
+    seen_at: float
+    interval_s: float | None = None  # the shortest gap seen between two heartbeats; None: one seen so far
+
+    def next(self, sent_at: float, now: float) -> Heartbeat:
+        """This server's heartbeat as read again at `now`."""
+        if sent_at == self.sent_at:
+            return self
+        gap = sent_at - self.sent_at
+        interval = self.interval_s if gap <= 0 else gap if self.interval_s is None else min(self.interval_s, gap)
+        return Heartbeat(sent_at, now, interval)
+
+
+def track_heartbeats(old: Mapping[str, Heartbeat], servers: Mapping[str, ServerRecord],
+                     now: float) -> dict[str, Heartbeat]:
+    """The heartbeats of `servers` (just read at `now`), continuing what was seen before."""
+    beats = {}
+    for sid, record in servers.items():
+        before = old.get(sid)
+        beats[sid] = before.next(record.heartbeat_at, now) if before else Heartbeat(record.heartbeat_at, now)
+    return beats
 
 
 @dataclass(frozen=True)
@@ -28,6 +63,9 @@ class Snapshot:
     base_model: str | None = None       # the name clients use for the base model
     taken_at: float = field(default_factory=time.time)
     batch_max_age_s: float = BATCH_MAX_AGE_S
+    heartbeats: Mapping[str, Heartbeat] = field(default_factory=dict)
+    servers_read_at: float = 0.0  # when `servers` was read from the store (a kept snapshot keeps it)
+    poll_interval_s: float = 1.0  # how often the router reads the registry
 
     @property
     def version(self) -> int:
@@ -61,6 +99,27 @@ class Snapshot:
                           queue_depth=max(in_flight.get(s.id, 0), s.load.running + s.load.waiting),
                           batch=self._batch(s, in_flight.get(s.id, 0)))
                 for s in self.servers.values()]
+
+    def late_after_s(self, server_id: str) -> float | None:
+        """How long without a new heartbeat the server's heartbeat is late: two of its intervals and one
+        poll (a healthy server's is at most one interval and one poll old). None while its interval is
+        not known yet (fewer than two heartbeats seen)."""
+        beat = self.heartbeats.get(server_id)
+        if beat is None or beat.interval_s is None:
+            return None
+        return LATE_INTERVALS * beat.interval_s + self.poll_interval_s
+
+    def heartbeat_late(self, server_id: str, now: float) -> bool:
+        """Whether no new heartbeat of the server was seen for longer than `late_after_s`. Judged only
+        while the registry is being read: when the store fails, every heartbeat stops in this view."""
+        late_after = self.late_after_s(server_id)
+        if late_after is None or now - self.servers_read_at > 2 * self.poll_interval_s + 1.0:
+            return False
+        return now - self.heartbeats[server_id].seen_at > late_after
+
+    def late_heartbeats(self, now: float) -> int:
+        """How many servers' heartbeats are late now."""
+        return sum(self.heartbeat_late(server_id, now) for server_id in self.servers)
 
     def _batch(self, server: ServerRecord, open_requests: int) -> ServerBatch | None:
         """The server's reported batch if fresh enough, with this router's newer requests added."""

@@ -2,7 +2,11 @@
 
 The routing table is re-read when a new version is announced on pub/sub or seen by polling (a lost
 announcement only delays the swap by one poll). Live servers are re-read every poll, because
-heartbeats expire silently. Every store error is swallowed after counting it: the router goes on
+heartbeats expire silently; each read also notes when every server's heartbeat was first seen, so
+the proxy can tell a server whose heartbeat is late (`Snapshot.heartbeat_late`). A server the proxy
+found silent (late heartbeat, requests unanswered) is dropped from the server registry at once
+(`drop_server`) instead of when its TTL runs out, so that placement and the agents' peer fetches stop
+counting on it too; its next heartbeat registers it again. Every store error is swallowed after counting it: the router goes on
 routing with its last snapshot until the store is back. The store is synchronous, so all of this
 runs off the event loop and a hanging Redis never stalls a request.
 """
@@ -18,7 +22,7 @@ from dataclasses import replace
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex_router.demand import DemandCounter
 from loraplex_router.metrics import RouterMetrics
-from loraplex_router.snapshot import BATCH_MAX_AGE_S, Snapshot
+from loraplex_router.snapshot import BATCH_MAX_AGE_S, Snapshot, track_heartbeats
 
 log = logging.getLogger("loraplex.router")
 
@@ -37,7 +41,8 @@ class TableCache:
         self.adapters_every_s = adapters_every_s
         self.clock = clock
         self.batch_max_age_s = batch_max_age_s
-        self.snapshot = Snapshot(None, {}, {}, base_model, taken_at=0.0, batch_max_age_s=batch_max_age_s)
+        self.snapshot = Snapshot(None, {}, {}, base_model, taken_at=0.0, batch_max_age_s=batch_max_age_s,
+                                 poll_interval_s=poll_interval_s)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._subscription: Subscription | None = None
@@ -67,6 +72,26 @@ class TableCache:
         self.metrics.servers.set(len(self.snapshot.servers))
         return True
 
+    def drop_server(self, server_id: str, heartbeat_at: float) -> bool:
+        """Removes the server from the registry unless it has heartbeat since `heartbeat_at`: what its
+        TTL would do a few seconds later. True if it did. Blocking (call it off the event loop). The
+        routing table is the placement's, so it is left alone; placement re-places without the server,
+        and the server's next heartbeat registers it again."""
+        try:
+            record = next((s for s in self.store.healthy_servers() if s.id == server_id), None)
+            if record is None or record.heartbeat_at != heartbeat_at:  # gone already, or heartbeat since
+                return False
+            self.store.deregister_server(server_id)
+        except StoreUnavailableError as exc:  # its TTL will drop it
+            self.metrics.store_errors.inc()
+            log.debug("dropping server %s failed: %s", server_id, exc)
+            return False
+        self.metrics.servers_dropped.labels(server_id).inc()
+        log.warning("dropped server %s from the registry: its heartbeat is late and it left requests "
+                    "unanswered", server_id)
+        self._wake.set()  # read the registry again now
+        return True
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.poll_interval_s)
@@ -93,7 +118,9 @@ class TableCache:
             self._adapters_read_at = now
         servers = {s.id: s for s in self.store.healthy_servers()}
         base = self.base_model or _base_model_of(servers.values()) or old.base_model
-        return Snapshot(table, servers, adapters, base, taken_at=now, batch_max_age_s=self.batch_max_age_s)
+        return Snapshot(table, servers, adapters, base, taken_at=now, batch_max_age_s=self.batch_max_age_s,
+                        heartbeats=track_heartbeats(old.heartbeats, servers, now), servers_read_at=now,
+                        poll_interval_s=self.poll_interval_s)
 
     def _ensure_subscription(self) -> None:
         if self._subscription is None:

@@ -77,3 +77,9 @@ def write_deployment(stack, tiny_model):
         source = next(iter(tiny_model.adapters.values()))
         (stack.config.manifests / f"{name}.yaml").write_text(deployment_yaml(name, source))
     return write
+
+
+@pytest.fixture(scope="session")
+def port_block():
+    """port_block(count): a first port such that `count` consecutive ports are free now."""
+    return free_port_block

@@ -1,19 +1,19 @@
-"""Adapter sources and peer transfer: file://, https:// (plain HTTP here), hf://, s3:// (SigV4), the
-scheme allow-list, no path traversal, the size limit, digest checks and single-flight fetching."""
+"""Adapter sources and peer transfer: file://, https:// (plain HTTP here), the scheme allow-list, no
+path traversal, the size limit, digest checks and single-flight fetching. The cloud schemes (s3://,
+gs://, hf://) against local servers: test_cloud_sources.py."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import shutil
 import tarfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
-from loraplex_agent.cluster import sigv4
 from loraplex_agent.cluster.fetcher import DIGEST_HEADER, AdapterFetcher
 from loraplex_agent.cluster.files import (
     ADAPTER_FILES,
@@ -23,13 +23,16 @@ from loraplex_agent.cluster.files import (
     tar_chunks,
     untar,
 )
+from loraplex_agent.cluster.limits import Budget
+from loraplex_agent.cluster.settings import ClusterSettings
 from loraplex_agent.cluster.sources import SourcePolicy, fetch_source
 from loraplex_router.threaded_server import ThreadedServer
 
+from loraplex.cli import CommandError
 from loraplex.routing.records import AdapterRecord
 from loraplex.spec.errors import AdapterError, InvalidRequestError
 
-HTTP = SourcePolicy(frozenset({"file", "http", "s3", "hf"}))
+HTTP = SourcePolicy(frozenset({"file", "http", "s3", "gs", "hf"}))
 
 
 @pytest.fixture
@@ -69,36 +72,6 @@ def test_https_source_downloads_with_the_bearer_token(file_server, adapter, tmp_
     assert all(h["authorization"] == "Bearer secret" for _, h in file_server.seen)
 
 
-def test_hf_source_uses_the_resolve_url_and_hf_token(file_server, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", file_server.url)
-    monkeypatch.setenv("HF_TOKEN", "hf_x")
-    fetch_source("hf://org/repo/sub@v1", tmp_path / "out", HTTP)
-    assert [p for p, _ in file_server.seen] == [f"org/repo/resolve/v1/sub/{n}" for n in ADAPTER_FILES]
-    assert file_server.seen[0][1]["authorization"] == "Bearer hf_x"
-
-
-def test_s3_source_signs_path_style_requests(file_server, tmp_path, monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", file_server.url)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
-    monkeypatch.setenv("AWS_REGION", "eu-west-1")
-    fetch_source("s3://bucket/adapters/sql", tmp_path / "out", HTTP)
-    path, headers = file_server.seen[0]
-    assert path == f"bucket/adapters/sql/{ADAPTER_FILES[0]}"
-    assert headers["authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/")
-    assert "/eu-west-1/s3/aws4_request" in headers["authorization"]
-
-
-def test_sigv4_matches_the_aws_documentation_example():
-    """'GET Object' example of the S3 SigV4 documentation (header-based auth)."""
-    credentials = sigv4.Credentials("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
-    headers = sigv4.sign_get("https://examplebucket.s3.amazonaws.com/test.txt", credentials, "us-east-1",
-                             datetime(2013, 5, 24, tzinfo=timezone.utc), {"Range": "bytes=0-9"})
-    assert headers["authorization"].endswith(
-        "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date, "
-        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41")
-
-
 def test_schemes_outside_the_allow_list_are_refused(tmp_path):
     with pytest.raises(InvalidRequestError, match="not allowed"):
         fetch_source("http://example.com/a", tmp_path, SourcePolicy())  # http is off by default
@@ -111,6 +84,15 @@ def test_remote_paths_never_climb(tmp_path):
         fetch_source("s3://bucket/a/../../etc", tmp_path, HTTP)
     with pytest.raises(InvalidRequestError, match=r"'\.\.'"):
         fetch_source("hf://org/repo/../x", tmp_path, HTTP)
+    with pytest.raises(InvalidRequestError, match=r"'\.\.'"):
+        fetch_source("gs://bucket/../x", tmp_path, HTTP)
+
+
+@pytest.mark.parametrize("uri", ["s3:///no-bucket", "gs://bucket/a?versionId=1", "hf://just-org", "hf://org/repo@",
+                                 "hf://org/re po", "hf://-org/repo"])
+def test_malformed_cloud_sources_are_refused_before_any_request(uri, tmp_path):
+    with pytest.raises(InvalidRequestError):
+        fetch_source(uri, tmp_path, HTTP)
 
 
 def test_adapter_names_cannot_escape_the_store(tmp_path):
@@ -124,6 +106,19 @@ def test_size_limit(adapter, file_server, tmp_path):
         fetch_source(f"file://{adapter}", tmp_path / "a", small)
     with pytest.raises(SizeLimitError):
         fetch_source(f"{file_server.url}/x", tmp_path / "b", small)
+
+
+def test_the_budget_counts_every_byte_written(tmp_path):
+    """Clients that write into a file object (google-cloud-storage) are cut off mid-stream."""
+    budget = Budget(10)
+    budget.declare(None, "unknown size")
+    with pytest.raises(SizeLimitError, match="x is 11 bytes, over the adapter size limit of 10 bytes"):
+        budget.declare(11, "x")
+    with (tmp_path / "f").open("wb") as out:
+        writer = budget.writer(out, "f")
+        assert writer.write(b"12345678") == 8
+        with pytest.raises(SizeLimitError, match="f is larger than the adapter size limit"):
+            writer.write(b"123")
 
 
 def test_tar_round_trip_and_hostile_archives(adapter, tmp_path):
@@ -193,3 +188,19 @@ def test_concurrent_misses_share_one_fetch(adapter, peer, tmp_path):
 
     paths = asyncio.run(many())
     assert len(set(paths)) == 1 and peer.hits == ["sql"]
+
+
+def _agent_args(**changes: object) -> argparse.Namespace:
+    values = {"redis_url": "redis://127.0.0.1:1/0", "pool": "tiny", "server_id": "tiny-0", "advertise_url": None,
+              "host": "127.0.0.1", "port": 8000, "adapter_store": None, "heartbeat_interval": 2.0,
+              "heartbeat_ttl": 10.0, "source_schemes": "file,gs,hf,https,s3", "max_adapter_bytes": 4 << 30}
+    return argparse.Namespace(**{**values, **changes})
+
+
+def test_source_flags_are_checked(tmp_path):
+    sources = ClusterSettings.from_args(_agent_args(source_schemes="S3, gs://,http")).sources
+    assert sources.allowed_schemes == {"s3", "gs", "http"}
+    for bad, message in (({"source_schemes": "s3,ftp"}, "unknown ftp"), ({"source_schemes": " , "}, "empty"),
+                         ({"max_adapter_bytes": 0}, "at least 1"), ({"max_adapter_bytes": float("nan")}, "at least 1")):
+        with pytest.raises(CommandError, match=message):
+            ClusterSettings.from_args(_agent_args(**bad))

@@ -187,7 +187,7 @@ BAD = [
     (POOL, "spec.placement.hysteresis", -0.1, "hysteresis"),
     (POOL, "spec.servers.gpus", 1, "gpus"),  # unknown field (kubectl validates strictly)
     (POOL, "spec.baseModel.dtype", "int4", "int4"),
-    (ADAPTER, "spec.adapter.source", "ftp://x/y", "source must start with one of file://, https://, s3://, hf://"),
+    (ADAPTER, "spec.adapter.source", "ftp://x/y", "source must start with one of file://, https://, s3://, gs://, hf://"),
     (ADAPTER, "spec.adapter.source", "/abs/path", "source must start with"),
     (ADAPTER, "spec.adapter.sha256", "abc", "abc"),
     (ADAPTER, "spec.replicas", {"min": 3, "max": 2}, "replicas.min must not exceed replicas.max"),

@@ -180,6 +180,7 @@ def _known_metrics() -> set[str]:
 def test_dashboard_uses_only_metrics_that_exist() -> None:
     dashboard = json.loads((CHART / "dashboards" / "loraplex.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     used = {m for e in exprs for m in re.findall(r"((?:vllm:|loraplex:|loraplex_router_)[a-z0-9_:]+)", e)}
     assert used - _known_metrics() == set()
     titles = " ".join(p["title"] for p in dashboard["panels"])

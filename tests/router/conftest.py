@@ -16,6 +16,7 @@ from loraplex_router.threaded_server import ThreadedServer
 
 from loraplex.engine.clock import MonotonicClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
+from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import make_profile
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.table import RoutingTable, make_entry
@@ -63,7 +64,7 @@ def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: 
     for name in ("a", "b", "c"):
         store.put_adapter(AdapterRecord(name, DIGEST, 8, 1000, f"file:///adapters/{name}"))
     settings = RouterSettings(profile=make_profile("loraserve", rng=random.Random(seed)), keys=keys or KeyRing(),
-                              poll_interval_s=0.05, cooldown_s=60)
+                              poll_interval_s=0.05, outliers=OutlierConfig(base_ejection_s=60))
     app = create_app(store, settings)
     router = ThreadedServer(app, free_port()).start()
     env = RouterEnv(store, router, echoes, app)

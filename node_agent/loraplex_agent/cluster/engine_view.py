@@ -1,4 +1,11 @@
-"""What the cluster side needs from the serving engine (the agent's AsyncEngine satisfies it)."""
+"""What the cluster side needs from the serving engine: the agent's AsyncEngine, or a vLLM server
+seen through loraplex_agent.vllm_backend.engine.VllmEngine.
+
+An engine may offer, besides `adapters`, `add_adapter` and `remove_adapter`:
+- `healthy` (bool): while False the member leaves the registry (default: always healthy);
+- `cluster_report()` -> (ServerLoad, GPU-resident adapter names, ServerBatch | None), instead of the
+  AsyncEngine's step snapshot;
+- `busy_adapters()` -> names with requests running or waiting there, never evicted under them."""
 
 from __future__ import annotations
 
@@ -21,6 +28,21 @@ class ServingEngine(Protocol):
     async def add_adapter(self, name: str, path: str | Path) -> AdapterInfo: ...
 
     async def remove_adapter(self, name: str) -> AdapterInfo: ...
+
+
+def engine_report(engine) -> tuple[ServerLoad, tuple[str, ...], ServerBatch | None]:
+    """(load, GPU-resident adapters, live batch) for the heartbeat."""
+    report = getattr(engine, "cluster_report", None)
+    if report is not None:
+        return report()
+    load, gpu = engine_load(engine)
+    return load, gpu, engine_batch(engine)
+
+
+def busy_adapters(engine) -> frozenset[str]:
+    """Adapters the engine itself says are in use (the member pins the ones it routes itself)."""
+    busy = getattr(engine, "busy_adapters", None)
+    return frozenset(busy()) if busy is not None else frozenset()
 
 
 def engine_load(engine) -> tuple[ServerLoad, tuple[str, ...]]:

@@ -74,11 +74,12 @@ class AdapterFetcher:
                 errors.append(f"{peer}: {exc}")
         try:
             return self._into_store(record, lambda d: fetch_source(record.source, d, self.policy))
-        except httpx.HTTPError as exc:
-            errors.append(f"{record.source}: {exc}")
         except LoraplexError as exc:
             errors.append(f"{record.source}: {exc.message}")
             raise type(exc)(f"cannot fetch adapter {record.name!r}: {'; '.join(errors)}", exc.param) from exc
+        except Exception as exc:  # a cloud client's error that its source module did not expect
+            log.warning("fetching %s from %s failed", record.name, record.source, exc_info=True)
+            errors.append(f"{record.source}: {type(exc).__name__}: {exc}")
         raise AdapterError(f"cannot fetch adapter {record.name!r}: {'; '.join(errors)}")
 
     def _into_store(self, record: AdapterRecord, download) -> Path:

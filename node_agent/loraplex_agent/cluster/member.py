@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
-from loraplex_agent.cluster.engine_view import engine_batch, engine_load
+from loraplex_agent.cluster.engine_view import busy_adapters, engine_report
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.settings import ClusterSettings
 
@@ -33,14 +33,22 @@ log = logging.getLogger("loraplex.agent.cluster")
 
 class ClusterMember:
     def __init__(self, settings: ClusterSettings, store: RoutingStore, engine, fetcher: AdapterFetcher,
-                 max_rank: int, base_model: str) -> None:
+                 max_rank: int, base_model: str, *, backend: str = "loraplex", serving_url: str | None = None,
+                 max_adapters: int = 0) -> None:
+        """`serving_url`: where the router sends requests when it is not this agent (backend vllm: the
+        vLLM server; peers still fetch adapters from the agent). `max_adapters`: adapters the engine
+        holds at once (0: no limit), which the placement honours."""
         self.settings = settings
         self.store = store
         self.engine = engine
         self.fetcher = fetcher
         self.max_rank = max_rank
         self.base_model = base_model
+        self.backend = backend
+        self.serving_url = serving_url
+        self.max_adapters = max_adapters
         self.version: int | None = None
+        self._registered = False
         self._assigned: set[str] = set()
         self._unassigned_once: set[str] = set()
         self._managed: dict[str, AdapterRecord] = {}  # adapters this member fetched, by name
@@ -71,15 +79,26 @@ class ClusterMember:
     # ---- heartbeat --------------------------------------------------------------------------
 
     def record(self) -> ServerRecord:
-        load, gpu = engine_load(self.engine)
-        return ServerRecord(id=self.settings.server_id, url=self.settings.advertise_url, max_rank=self.max_rank,
+        load, gpu, batch = engine_report(self.engine)
+        url, agent_url = self.settings.advertise_url, ""
+        if self.serving_url and self.serving_url != url:
+            url, agent_url = self.serving_url, self.settings.advertise_url
+        return ServerRecord(id=self.settings.server_id, url=url, max_rank=self.max_rank,
                             base_model=self.base_model, capabilities=("peer-fetch",), load=load,
                             gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
-                            heartbeat_at=time.time(), batch=engine_batch(self.engine))
+                            heartbeat_at=time.time(), batch=batch, backend=self.backend, agent_url=agent_url,
+                            max_adapters=self.max_adapters)
 
     async def _heartbeat(self) -> None:
+        """Register (renew the TTL) while the engine is healthy; leave the registry while it is not."""
         try:
-            await asyncio.to_thread(self.store.register_server, self.record(), self.settings.heartbeat_ttl_s)
+            if getattr(self.engine, "healthy", True):
+                await asyncio.to_thread(self.store.register_server, self.record(), self.settings.heartbeat_ttl_s)
+                self._registered = True
+            elif self._registered:
+                await asyncio.to_thread(self.store.deregister_server, self.settings.server_id)
+                self._registered = False
+                log.warning("the engine is down: left the registry until it is back")
         except StoreUnavailableError as exc:
             log.warning("heartbeat failed: %s", exc)
 
@@ -138,8 +157,9 @@ class ClusterMember:
     async def _evict(self, records: dict[str, AdapterRecord]) -> None:
         stale = {n for n in self._managed if n not in self._assigned}
         me = self.settings.server_id
+        busy = busy_adapters(self.engine)
         for name in sorted(stale & self._unassigned_once):
-            if self._pins[name]:
+            if self._pins[name] or name in busy:
                 continue  # requests are on their way to it: the next pass looks again
             if not await asyncio.to_thread(self.store.remove_location, name, me):
                 log.info("keeping adapter %s: this is its last copy", name)
@@ -230,7 +250,7 @@ class ClusterMember:
         if not holders:
             return []
         servers = await asyncio.to_thread(self.store.healthy_servers)
-        return [s.url for s in servers if s.id in holders]
+        return [s.peer_url for s in servers if s.id in holders]
 
     def _close_subscription(self) -> None:
         if self._subscription is not None:

@@ -11,7 +11,10 @@ from pathlib import Path
 from loraplex.cli import CommandError
 from loraplex.routing.keys import validate_pool_name
 from loraplex.routing.records import RecordError, validate_server_id
+from loraplex_agent.cluster.limits import DEFAULT_SCHEMES
 from loraplex_agent.cluster.sources import SourcePolicy
+
+KNOWN_SCHEMES = DEFAULT_SCHEMES | {"http"}
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,23 @@ class ClusterSettings:
             raise CommandError(str(exc)) from exc
         if args.heartbeat_ttl <= args.heartbeat_interval:
             raise CommandError("--heartbeat-ttl must be longer than --heartbeat-interval")
-        schemes = frozenset(s.strip().lower() for s in args.source_schemes.split(",") if s.strip())
         store = Path(args.adapter_store or Path(tempfile.gettempdir()) / "loraplex-adapters" / server_id)
         return cls(args.redis_url, args.pool, server_id, advertise.rstrip("/"), store,
                    args.heartbeat_interval, args.heartbeat_ttl,
-                   sources=SourcePolicy(schemes, int(args.max_adapter_bytes)))
+                   sources=SourcePolicy(_schemes(args.source_schemes), _max_bytes(args.max_adapter_bytes)))
+
+
+def _schemes(text: str) -> frozenset[str]:
+    """--source-schemes: a comma-separated subset of the schemes the agent can fetch."""
+    schemes = frozenset(s.strip().lower().removesuffix("://") for s in text.split(",") if s.strip())
+    unknown = sorted(schemes - KNOWN_SCHEMES)
+    problem = f"unknown {', '.join(unknown)}" if unknown else "empty" if not schemes else ""
+    if problem:
+        raise CommandError(f"--source-schemes {text!r}: {problem} (known: {','.join(sorted(KNOWN_SCHEMES))})")
+    return schemes
+
+
+def _max_bytes(value: float) -> int:
+    if not value >= 1:  # also NaN
+        raise CommandError(f"--max-adapter-bytes must be at least 1, got {value}")
+    return int(value)

@@ -1,0 +1,184 @@
+"""A hung agent costs seconds, through `loraplex up`: a real redis-server, 3 real agents on the tiny
+model, the placement controller and the router, under load; one agent is stopped with SIGSTOP for
+longer than the router's time-to-first-byte deadline, then continued.
+
+The heartbeat TTL (30 s) is longer than the stop, so without the router the registry and the table
+would keep the stopped agent throughout. The router leaves the agent when an attempt has waited as
+long as the agent's heartbeat is late (about 1.5 s here), gives up the requests waiting there, sends
+them elsewhere and drops the agent from the registry (placement re-places without it, the other
+agents stop asking it for adapter copies). Its first heartbeat after SIGCONT registers it again.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+POOL = "hung"
+ADAPTERS = [f"hung{i}" for i in range(4)]
+STOP_S = 12.0
+DEADLINE_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory, free_port):
+    from loraplex_router.local_stack import LocalStack, StackConfig
+
+    folder = tmp_path_factory.mktemp("manifests")
+    (folder / "pool.yaml").write_text(
+        "apiVersion: loraplex.io/v1alpha1\nkind: AdapterPool\nmetadata: {name: hung}\nspec:\n"
+        f"  baseModel: {{name: tiny-llama, source: \"file://{tiny_model.base_dir}\", dtype: float32}}\n"
+        "  engine: {maxLoraRank: 64, maxLoras: 4, maxNumSeqs: 8, maxModelLen: 256}\n"
+        "  placement: {policy: loraserve, intervalSeconds: 30}\n")
+    sources = list(tiny_model.adapters.values())
+    for i, name in enumerate(ADAPTERS):  # on every agent: no request waits for a copy from the stopped one
+        (folder / f"{name}.yaml").write_text(
+            f"apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {{name: {name}}}\n"
+            f"spec:\n  pool: {POOL}\n  adapter: {{source: \"file://{sources[i]}\"}}\n  replicas: {{min: 3}}\n")
+    config = StackConfig(agents=3, manifests=folder, router_port=free_port(), agent_base_port=_free_ports(3),
+                         redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=30.0,
+                         workdir=tmp_path_factory.mktemp("stack"), agent_args=["--num-blocks", "256"],
+                         router_args=["--ttfb-deadline", str(DEADLINE_S)])
+    stack = LocalStack(config).start()
+    stack.start_background()
+    yield stack
+    for child in stack.agents.values():
+        if child.alive:
+            child.process.send_signal(signal.SIGCONT)
+    stack.stop()
+
+
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive ports that are free now."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count < 65000 and all(_free(first + i) for i in range(count)):
+            return first
+    raise RuntimeError("no block of free ports")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Done:
+    at: float        # when the request was sent (monotonic)
+    seconds: float
+    server: str
+    stream: bool
+
+
+@dataclass
+class Load:
+    """Clients sending requests through the router until stopped: streamed and not, adapters and base."""
+
+    url: str
+    workers: int = 4
+    done: list[Done] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __enter__(self) -> Load:
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+    def served_by(self, server: str, since: float) -> bool:
+        with self._lock:
+            return any(d.server == server and d.at >= since for d in self.done)
+
+    def _run(self, worker: int) -> None:
+        models = [*ADAPTERS, "tiny-llama"]
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            i = worker
+            while not self._stop.is_set():
+                body = {"model": models[i % len(models)], "prompt": "def add(a, b):", "max_tokens": 3,
+                        "stream": i % 2 == 0}
+                i += self.workers
+                self._one(http, body)
+
+    def _one(self, http: httpx.Client, body: dict) -> None:
+        start = time.monotonic()
+        try:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                r.read()
+                ok = r.status_code == 200 and (not body["stream"] or b"[DONE]" in r.content)
+                outcome = None if ok else f"{r.status_code} {r.content[:200]!r}"
+        except httpx.HTTPError as exc:
+            outcome = repr(exc)
+        with self._lock:
+            if outcome is None:
+                self.done.append(Done(start, time.monotonic() - start, r.headers["x-loraplex-server"], body["stream"]))
+            else:
+                self.failures.append(outcome)
+
+
+def wait_until(condition, timeout_s: float = 60.0) -> None:
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(0.1)
+
+
+def metric(stack, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in httpx.get(stack.router_url + "/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_stopped_agent_costs_seconds_and_is_back_after_sigcont(stack):
+    victim = sorted(stack.agents)[0]
+    process = stack.agents[victim].process
+    with Load(stack.router_url) as load:
+        wait_until(lambda: load.served_by(victim, 0.0) and len(load.done) >= 20)
+        process.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        time.sleep(STOP_S)
+        registered = victim in {s.id for s in stack.store.healthy_servers()}
+        process.send_signal(signal.SIGCONT)
+        continued_at = time.monotonic()
+        wait_until(lambda: load.served_by(victim, continued_at))
+    during = [d for d in load.done if stopped_at <= d.at < continued_at]
+    print(f"\n{len(load.done)} requests; {len(during)} sent during the {STOP_S:.0f} s stop, the slowest of them "
+          f"{max(d.seconds for d in during):.2f} s; slowest overall {max(d.seconds for d in load.done):.2f} s")
+    assert load.failures == []
+    assert not registered  # dropped by the router long before its 30 s TTL
+    assert metric(stack, "loraplex_router_servers_dropped_total", server=victim) == 1
+    # A request that waited for the stopped agent would have taken the whole stop (12 s); every one sent
+    # during the stop took less than the deadline: the late heartbeat gave the agent away first.
+    assert max(d.seconds for d in during) < DEADLINE_S
+    # Only a stream already under way there when it stopped may wait for it: its first bytes had
+    # reached the client, so it is committed to that agent.
+    slow = [d for d in load.done if d.seconds >= DEADLINE_S]
+    assert all(d.stream and d.at < stopped_at and d.server == victim for d in slow), slow
+    assert len(during) >= 8  # the clients kept being served during the stop
+    # Once the router left it (about 2 s after the stop; 5 s is a generous bound), no request went there.
+    assert not [d for d in during if d.at >= stopped_at + 5.0 and d.server == victim]
+    assert metric(stack, "loraplex_router_ejections_total", server=victim, reason="silent") >= 1
