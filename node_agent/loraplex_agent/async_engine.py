@@ -286,6 +286,8 @@ class AsyncEngine:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # its caller gave up (a client disconnected) before the engine got to it
             if self.error is not None:
                 future.set_exception(EngineDeadError(f"the engine failed: {self.error!r}"))
                 return

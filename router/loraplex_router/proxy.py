@@ -263,12 +263,16 @@ class Proxy:
         attempt.silence_reported = True
         if self._failed(attempt.server, Failure.SILENT) is not Outcome.EJECTED:
             return False
-        if self.drop is not None:
-            heartbeat_at = view.servers[attempt.server].heartbeat_at
-            dropping = asyncio.ensure_future(asyncio.to_thread(self.drop, attempt.server, heartbeat_at))
-            self._dropping[attempt.server] = dropping
-            dropping.add_done_callback(lambda done, server=attempt.server: self._drop_done(server, done))
+        self._start_drop(attempt.server, view.servers[attempt.server].heartbeat_at)
         return True
+
+    def _start_drop(self, server: str, heartbeat_at: float) -> None:
+        """Drops the silent server from the registry, in a worker thread (the store blocks)."""
+        if self.drop is None:
+            return
+        dropping = asyncio.ensure_future(asyncio.to_thread(self.drop, server, heartbeat_at))
+        self._dropping[server] = dropping
+        dropping.add_done_callback(lambda done: self._drop_done(server, done))
 
     def _drop_done(self, server: str, done: asyncio.Future) -> None:
         if self._dropping.get(server) is done:

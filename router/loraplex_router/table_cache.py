@@ -6,9 +6,9 @@ heartbeats expire silently; each read also notes when every server's heartbeat w
 the proxy can tell a server whose heartbeat is late (`Snapshot.heartbeat_late`). A server the proxy
 found silent (late heartbeat, requests unanswered) is dropped from the server registry at once
 (`drop_server`) instead of when its TTL runs out, so that placement and the agents' peer fetches stop
-counting on it too; its next heartbeat registers it again. Every store error is swallowed after counting it: the router goes on
-routing with its last snapshot until the store is back. The store is synchronous, so all of this
-runs off the event loop and a hanging Redis never stalls a request.
+counting on it too; its next heartbeat registers it again. Every store error is swallowed after
+counting it: the router goes on routing with its last snapshot until the store is back. The store is
+synchronous, so all of this runs off the event loop and a hanging Redis never stalls a request.
 """
 
 from __future__ import annotations
@@ -72,20 +72,26 @@ class TableCache:
         self.metrics.servers.set(len(self.snapshot.servers))
         return True
 
-    def drop_server(self, server_id: str, heartbeat_at: float) -> bool:
+    def drop_server(self, server_id: str, heartbeat_at: float, tries: int = 3) -> bool:
         """Removes the server from the registry unless it has heartbeat since `heartbeat_at`: what its
-        TTL would do a few seconds later. True if it did. Blocking (call it off the event loop). The
-        routing table is the placement's, so it is left alone; placement re-places without the server,
-        and the server's next heartbeat registers it again."""
-        try:
-            record = next((s for s in self.store.healthy_servers() if s.id == server_id), None)
-            if record is None or record.heartbeat_at != heartbeat_at:  # gone already, or heartbeat since
-                return False
-            self.store.deregister_server(server_id)
-        except StoreUnavailableError as exc:  # its TTL will drop it
-            self.metrics.store_errors.inc()
-            log.debug("dropping server %s failed: %s", server_id, exc)
+        TTL would do a few seconds later. True if it did. Blocking (call it off the event loop); a store
+        error is tried again (`tries` in all), then left to the TTL. The routing table is the
+        placement's, so it is left alone; placement re-places without the server, and the server's next
+        heartbeat registers it again."""
+        for attempt in range(tries):
+            try:
+                return self._drop(server_id, heartbeat_at)
+            except StoreUnavailableError as exc:
+                self.metrics.store_errors.inc()
+                log.debug("dropping server %s failed (%d of %d): %s", server_id, attempt + 1, tries, exc)
+                time.sleep(0.1)
+        return False
+
+    def _drop(self, server_id: str, heartbeat_at: float) -> bool:
+        record = next((s for s in self.store.healthy_servers() if s.id == server_id), None)
+        if record is None or record.heartbeat_at != heartbeat_at:  # gone already, or it heartbeat since
             return False
+        self.store.deregister_server(server_id)
         self.metrics.servers_dropped.labels(server_id).inc()
         log.warning("dropped server %s from the registry: its heartbeat is late and it left requests "
                     "unanswered", server_id)
