@@ -87,29 +87,29 @@ def queue(url: str) -> tuple[int, int]:
 
 
 def test_a_short_job_queued_after_a_long_one_runs_first(sjf_server):
-    """One sequence at a time (max_num_seqs 1): a request of 2,000 tokens holds the server for ten or more
-    seconds; once the server's metrics show it running, a long and then a short request queue behind
-    it, a second apart. vLLM's FCFS finishes the long one first (checked by hand: running, long, short);
-    SJF the short one. (The gaps are wide because other jobs on a 2-core machine can stall vLLM's
-    front end for seconds.)"""
+    """One sequence at a time (max_num_seqs 1): a request of 2,000 tokens holds the server for seconds;
+    once its first chunk has arrived (it runs, whatever the server's metrics lag), a long and then a
+    short request queue behind it. vLLM's FCFS finishes the long one first (checked by hand: running,
+    long, short); SJF the short one."""
     url, process = sjf_server
     finished: list[str] = []
+    started = threading.Event()  # the first request streams: its first chunk says it is running
 
     def send(name: str, tokens: int) -> None:
-        body = {"model": "tiny", "prompt": [5] * 16, "max_tokens": tokens, "ignore_eos": True, "temperature": 0}
-        response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-        assert response.status_code == 200, response.text
+        body = {"model": "tiny", "prompt": [5] * 16, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+            assert response.status_code == 200, response.read()
+            for _ in response.iter_lines():
+                started.set()
         finished.append(name)
 
     threads = [threading.Thread(target=send, args=args) for args in (("running", 2000), ("long", 200), ("short", 4))]
     threads[0].start()
-    deadline = time.monotonic() + 120
-    while queue(url) != (1, 0):
-        assert time.monotonic() < deadline and threads[0].is_alive(), "the first request never ran"
-        time.sleep(0.2)
+    assert started.wait(120), "the first request never ran"
     for thread in threads[1:]:
         thread.start()
-        time.sleep(1.0)
+        time.sleep(0.3)
     assert queue(url)[0] == 1 and "running" not in finished  # both queued while the first still runs
     for thread in threads:
         thread.join()
