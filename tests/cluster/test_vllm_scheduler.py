@@ -75,17 +75,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def queue(url: str) -> tuple[int, int]:
-    """(running, waiting) from the server's own metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    values = {name: 0.0 for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in values:
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return int(values["vllm:num_requests_running"]), int(values["vllm:num_requests_waiting"])
-
-
 def test_a_short_job_queued_after_a_long_one_runs_first(sjf_server):
     """One sequence at a time (max_num_seqs 1): a request of 2,000 tokens holds the server for seconds;
     once its first chunk has arrived (it runs, whatever the server's metrics lag), a long and then a
@@ -110,7 +99,7 @@ def test_a_short_job_queued_after_a_long_one_runs_first(sjf_server):
     for thread in threads[1:]:
         thread.start()
         time.sleep(0.3)
-    assert queue(url)[0] == 1 and "running" not in finished  # both queued while the first still runs
+    assert "running" not in finished  # both queued while the first still runs (vLLM's metrics lag: not used)
     for thread in threads:
         thread.join()
     assert finished == ["running", "short", "long"], (finished, process.tail(5))
