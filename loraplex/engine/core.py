@@ -11,6 +11,7 @@ from loraplex.engine.memory_policies import make_memory
 from loraplex.engine.memory_stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.paged_memory import AdapterPages, no_adapter_pages
+from loraplex.engine.prompt_logprobs import PromptLogprobsCollector
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.engine.schedulers import make_scheduler
@@ -49,6 +50,7 @@ class EngineCore:
         # ranks outlive unloading: queued requests of an unloaded adapter still need a slot
         self._ranks: dict[AdapterId, int] = {}
         self.scheduler = make_scheduler(config, self.memory, self._rank_of, self.clock)
+        self._prompt_logprobs = PromptLogprobsCollector()
         self._copy_bytes = 0
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -114,6 +116,8 @@ class EngineCore:
             return []
         result = self.executor.execute(output)
         outputs = scheduler.update(output, result)
+        if result.prompt_logprobs or self._prompt_logprobs:
+            self._prompt_logprobs.update(result.prompt_logprobs, outputs, output.finished_request_ids)
         self._copy_bytes += result.copy_bytes
         self._steps += 1
         self._adapter_loads += len(output.adapter_loads)

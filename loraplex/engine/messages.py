@@ -85,8 +85,19 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """A prefill chunk's share of a request's prompt logprobs (`SamplingParams.prompt_logprobs`):
+    the prompt tokens at positions `first_position`, `first_position + 1`, ..., each with its
+    logprob given the tokens before it (and its rank and the top k)."""
+
+    first_position: int  # >= 1: nothing predicts the first prompt token
+    tokens: list[SampledToken]
+
+
+@dataclass(slots=True)
 class ExecutorResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request_id -> next token
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request_id -> this step's share
     elapsed_s: float = 0.0  # time the step took (measured, or modelled by a simulated executor)
     copies_done: list[int] = field(default_factory=list)  # jobs of background copies now finished
     copy_bytes: int = 0  # host <-> device bytes this step moved or started moving
@@ -103,3 +114,5 @@ class RequestOutput:
     num_output_tokens: int
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # with the first token of a request that asked for them: one per prompt token, the first None
+    prompt_logprobs: list[SampledToken | None] | None = None

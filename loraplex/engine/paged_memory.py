@@ -228,7 +228,7 @@ class PagedMemory:
         return self.pool.num_free
 
     def begin(self, request: Request) -> bool:
-        if not self.keeps_prefixes:
+        if not self.keeps_prefixes or not request.reuses_cached_prefix:
             return True
         usable = (request.num_tokens - 1) // self.block_size  # one token is always computed: it samples
         chain = self.tree.match(request.adapter, request.token_slice(0, usable * self.block_size)).blocks

@@ -16,6 +16,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+NO_TOKEN = -1
+"""What the sampler returns when JSON mode leaves no token to take (a vocabulary that cannot write
+the next character): the request ends with finish_reason "length", its text cut short but never
+invalid. The id is no token of any vocabulary and never reaches the model or the text."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
@@ -27,6 +33,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None  # prompt logprobs: the token's rank in its distribution (1 = most likely)
 
 
 @dataclass
@@ -42,6 +49,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[SampledToken] = field(default_factory=list)
+    # `sampling.prompt_logprobs`: one entry per prompt token, the first None (nothing predicts it);
+    # set by `LLM.generate` (the server reads them from the first `RequestOutput`)
+    prompt_logprobs: list[SampledToken | None] | None = None
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -51,8 +61,9 @@ class Request:
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
-        # The penalties read this request's tokens: its own copy of the parameters points at it.
-        if self.sampling.penalized and self.sampling.history is not self:
+        # The penalties, JSON mode and prompt logprobs read this request's tokens: its own copy of
+        # the parameters points at it.
+        if self.sampling.reads_history and self.sampling.history is not self:
             self.sampling = replace(self.sampling, history=self)
 
     @property
@@ -76,6 +87,12 @@ class Request:
         if start + count <= len(prompt):  # a prompt chunk
             return prompt[start:start + count]
         return (prompt + self.output_token_ids)[start:start + count]
+
+    @property
+    def reuses_cached_prefix(self) -> bool:
+        """Whether admission may start it from the prefix cache. A cached prefix has KV but no
+        logits, so a request that wants its prompt's logprobs computes its whole prompt."""
+        return self.sampling.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

@@ -17,10 +17,12 @@ LogitBias = tuple[tuple[int, float], ...]
 
 
 class TokenHistory(Protocol):
-    """What the penalties read: the request's prompt and the tokens generated so far (a `Request`)."""
+    """What the penalties, JSON mode and prompt logprobs read: the request's prompt, the tokens
+    generated so far and its EOS token ids (a `Request`)."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times the times a token id was generated
     repetition_penalty: float = 1.0  # HF / vLLM: prompt and generated token ids, > 0 divides, < 0 multiplies
     logit_bias: LogitBias = ()  # (token id, bias) pairs added to the logits; a dict is accepted too
+    json_object: bool = False  # the output must be one JSON object (response_format json_object)
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the top k
     extra: dict = field(default_factory=dict, compare=False)
-    # The tokens the penalties read; `Request` binds itself here when a penalty is set.
+    # The tokens the penalties, JSON mode and prompt logprobs read; `Request` binds itself here
+    # when one of them is set (`reads_history`).
     history: TokenHistory | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,9 +55,10 @@ class SamplingParams:
         _check(self.top_k == -1 or self.top_k >= 0, "top_k must be -1, 0 or positive", "top_k")
         _check(self.min_tokens >= 0, "min_tokens must be non-negative", "min_tokens")
         _check(self.min_tokens <= self.max_tokens, "min_tokens must not exceed max_tokens", "min_tokens")
-        if self.logprobs is not None:
-            _check(0 <= self.logprobs <= MAX_TOP_LOGPROBS,
-                   f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_TOP_LOGPROBS,
+                   f"{name} must be between 0 and {MAX_TOP_LOGPROBS}", name)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
@@ -71,6 +77,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """A penalty reads the request's tokens (see `history`)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_history(self) -> bool:
+        """The sampler or the executor reads the request's tokens (see `history`)."""
+        return self.penalized or self.json_object or self.prompt_logprobs is not None
 
     @property
     def adjusts_logits(self) -> bool:

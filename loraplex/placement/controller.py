@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loraplex.engine.clock import Clock
 from loraplex.placement.forecast import Forecaster, ewma
@@ -20,6 +20,7 @@ from loraplex.placement.snapshot import (
     PlacementInput,
     PlacementServer,
 )
+from loraplex.routing.choice import RoutingChoice
 from loraplex.routing.demand import DEFAULT_WINDOWS, DemandWindows
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError
@@ -45,10 +46,12 @@ class _Observed:
     servers: list[ServerRecord]
     adapters: list[AdapterRecord]
     version: int | None
+    routing: RoutingChoice | None = None  # the owner's routing choice (when it names one)
 
-    def fingerprint(self) -> tuple[frozenset[tuple[str, int, int]], frozenset[tuple[str, str, int]]]:
+    def fingerprint(self) -> tuple[frozenset[tuple[str, int, int]], frozenset[tuple[str, str, int]],
+                                   RoutingChoice | None]:
         return (frozenset((s.id, s.max_rank, s.max_adapters) for s in self.servers),
-                frozenset((a.name, a.digest, a.rank) for a in self.adapters))
+                frozenset((a.name, a.digest, a.rank) for a in self.adapters), self.routing)
 
 
 def build_input(servers: Sequence[ServerRecord], adapters: Sequence[AdapterRecord], demand: DemandWindows,
@@ -71,13 +74,16 @@ class PlacementController:
     """`min_replicas`, when given, is called at each placement for {adapter: replicas.min} (the
     operator's view of its LoRADeployments); adapters it leaves out need one server.
     `server_filter`, when given, keeps the heartbeating servers that may serve (the operator keeps
-    those whose pod is Ready)."""
+    those whose pod is Ready). `routing`, when given, is called at each placement for the pool's
+    routing choice that the table carries to the routers (`loraplex up` reads it from the AdapterPool);
+    without it a new table keeps the last one's (the operator edits it between placements)."""
 
     def __init__(self, store: RoutingStore, policy: PlacementPolicy, clock: Clock, interval_s: float,
                  operating_points: OperatingPoints, windows: int = DEFAULT_WINDOWS,
                  forecaster: Forecaster = ewma, phi_tolerance: float = 1e-3,
                  min_replicas: Callable[[], Mapping[str, int]] | None = None,
-                 server_filter: Callable[[list[ServerRecord]], list[ServerRecord]] | None = None) -> None:
+                 server_filter: Callable[[list[ServerRecord]], list[ServerRecord]] | None = None,
+                 routing: Callable[[], RoutingChoice | None] | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"placement interval must be positive, got {interval_s}")
         self.store, self.policy, self.clock = store, policy, clock
@@ -88,6 +94,7 @@ class PlacementController:
         self.phi_tolerance = phi_tolerance
         self.min_replicas = min_replicas
         self.server_filter = server_filter
+        self.routing = routing
         self._last_version = 0        # numbering stays monotonic even if the store lost its tables
         self._last_run: float | None = None
         self._last_fingerprint: object = None
@@ -97,8 +104,9 @@ class PlacementController:
         return self._place(self._observe())
 
     def step(self) -> ControllerReport | None:
-        """Places when the interval has passed, the set of servers or adapters changed, or the store
-        no longer holds the table this controller published (e.g. Redis restarted); else None."""
+        """Places when the interval has passed, the set of servers or adapters or the routing choice
+        changed, or the store no longer holds the table this controller published (e.g. Redis
+        restarted); else None."""
         observed = self._observe()
         now = self.clock.now()
         due = self._last_run is None or now - self._last_run >= self.interval_s
@@ -122,7 +130,8 @@ class PlacementController:
         servers = self.store.healthy_servers()
         if self.server_filter is not None:
             servers = self.server_filter(servers)
-        return _Observed(servers, self.store.adapters(), self.store.current_version())
+        routing = self.routing() if self.routing is not None else None
+        return _Observed(servers, self.store.adapters(), self.store.current_version(), routing)
 
     def _place(self, observed: _Observed) -> ControllerReport:
         now = self.clock.now()
@@ -143,10 +152,11 @@ class PlacementController:
             log.warning("servers %s are overloaded: too few servers can hold the ranks they serve",
                         ", ".join(placement.overloaded))
         version = max(previous.version if previous else 0, self._last_version) + 1
-        table = placement.to_table(version, now, inp.adapters)
+        table = replace(placement.to_table(version, now, inp.adapters), routing=self._routing(observed, previous))
         report = dict(required_servers=placement.required_servers, unplaceable=placement.unplaceable,
                       placement=placement, overloaded=placement.overloaded)
-        if previous is not None and table.same_routes(previous, self.phi_tolerance):
+        if previous is not None and table.same_routes(previous, self.phi_tolerance) \
+                and table.routing == previous.routing:
             self._last_version = previous.version
             return ControllerReport("unchanged", previous.version, **report)
         self.store.publish_table(table)
@@ -154,3 +164,8 @@ class PlacementController:
         log.info("published routing table v%d for pool %s (%d adapters, %d servers)", version,
                  self.store.pool, len(table.entries), len(table.servers()))
         return ControllerReport("published", version, **report)
+
+    def _routing(self, observed: _Observed, previous: RoutingTable | None) -> RoutingChoice | None:
+        if self.routing is not None:
+            return observed.routing
+        return previous.routing if previous is not None else None

@@ -41,6 +41,7 @@ class Failure(enum.Enum):
     TRANSPORT = "transport"  # the connection broke (reset, closed) before the first byte
     CONNECT = "connect"      # no connection could be made: ejects at once
     SILENT = "silent"        # waited past a late heartbeat: ejects at once, ends at the next heartbeat
+    UNRESPONSIVE = "unresponsive"  # a non-streamed request past the deadline, and /health did not answer
 
     @property
     def ejects_at_once(self) -> bool:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from loraplex.routing.choice import RoutingChoice
 from loraplex.spec.adapter import validate_adapter_name
 
 PHI_TOLERANCE = 1e-6
@@ -63,7 +64,8 @@ class TableEntry:
 @dataclass(frozen=True)
 class RoutingTable:
     """One published placement. `required_servers` is the placement's estimate of the servers the
-    forecast demand needs (the operator's autoscaling signal); `policy` names who produced it."""
+    forecast demand needs (the operator's autoscaling signal); `policy` names who produced it.
+    `routing` is the pool's routing profile for the routers; None: each router's flags decide."""
 
     version: int
     created_at: float
@@ -71,6 +73,7 @@ class RoutingTable:
     policy: str = ""
     required_servers: int = 0
     meta: Mapping[str, float] = field(default_factory=dict)
+    routing: RoutingChoice | None = None
 
     def validate(self) -> RoutingTable:
         if self.version <= 0:
@@ -123,6 +126,8 @@ def encode_table(table: RoutingTable) -> str:
                 for name, e in table.entries.items()}
     doc = {"version": table.version, "created_at": table.created_at, "policy": table.policy,
            "required_servers": table.required_servers, "meta": dict(table.meta), "adapters": adapters}
+    if table.routing is not None:  # absent, not null: routers older than the field read the table as before
+        doc["routing"] = {"profile": table.routing.profile, "options": dict(table.routing.options)}
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
 
@@ -135,7 +140,15 @@ def decode_table(text: str | bytes) -> RoutingTable:
                    for name, a in doc["adapters"].items()}
         table = RoutingTable(int(doc["version"]), float(doc["created_at"]), entries, str(doc.get("policy", "")),
                              int(doc.get("required_servers", 0)),
-                             {str(k): float(v) for k, v in doc.get("meta", {}).items()})
+                             {str(k): float(v) for k, v in doc.get("meta", {}).items()},
+                             _decode_routing(doc.get("routing")))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RoutingTableError(f"malformed routing table: {exc}") from exc
     return table.validate()
+
+
+def _decode_routing(doc: dict | None) -> RoutingChoice | None:
+    """The table's routing choice; None in tables written before the field existed."""
+    if doc is None:
+        return None
+    return RoutingChoice(str(doc["profile"]), {str(k): str(v) for k, v in doc.get("options", {}).items()})

@@ -280,12 +280,35 @@ class SizingSpec(CrdModel):
                          lambda m: m.estimator != "planner" or m.profile is not None),)
 
 
+# The router's profiles by name: the keys of loraplex.routing.pipeline.PROFILES (spec stays independent of
+# routing; a test keeps the two equal). The CRD's enum refuses any other name; the model takes any
+# well-formed one, so that a name that gets past an older or newer CRD makes the pool
+# Failed/InvalidRouting with the routers' list (and `loraplex up` refuses it with the same words).
+ROUTING_PROFILES = ("loraserve", "load-aware", "least-loaded", "rank-aware")
+
+
+class RoutingSpec(CrdModel):
+    """How the pool's routers pick a server for each request: the router's --profile and --routing-option,
+    carried to every router of the pool in the routing table."""
+
+    profile: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$", json_schema_extra={"enum": list(ROUTING_PROFILES)},
+                         description="loraserve (phi-weighted random), load-aware (phi + queue depth + "
+                                     "residency), least-loaded (shortest queue) or rank-aware (Toppings: the least "
+                                     "extra per-token latency, with an SLO filter); docs/router.md")
+    options: dict[str, str] = Field(default_factory=dict, description="Knobs of the profile by name, the keys "
+                                    "--routing-option takes, e.g. slo_tpot_s: '0.05' or latency_profile: "
+                                    "whatif-h100-llama8b; an unknown key or a bad value makes the pool "
+                                    "Failed/InvalidRouting")
+
+
 class AdapterPoolSpec(CrdModel):
     base_model: BaseModelSpec
     servers: ServersSpec = Field(default_factory=ServersSpec)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     sizing: SizingSpec = Field(default_factory=SizingSpec)
+    routing: RoutingSpec | None = Field(None, description="The routers' profile for this pool; absent: each "
+                                        "router's own --profile and --routing-option flags decide")
 
 
 class ServerStatus(CrdModel):

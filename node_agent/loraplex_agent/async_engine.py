@@ -5,6 +5,11 @@ queues (add a request, abort one, add or remove an adapter), steps the core whil
 sleeps when there is none, and hands each step's outputs to the asyncio queue of their request
 with `loop.call_soon_threadsafe`. Reading an adapter from disk happens before its command is
 queued, on a worker thread, so a slow load never stalls the batch.
+
+An engine thread stuck in one iteration (a hung device, a deadlock) leaves the event loop answering
+while no request moves: past `stall_timeout_s` the engine reports itself unhealthy, so /health
+answers 503 and the pool member leaves the registry (the router sends the waiting requests
+elsewhere) until the iteration ends.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError
 from loraplex_agent.adapters import load_peft_adapter
+from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
 from loraplex_agent.host_adapter import HostAdapter
 
 if TYPE_CHECKING:
@@ -71,8 +77,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+        """`stall_timeout_s`: one iteration of the engine thread running longer than this makes the
+        engine unhealthy until it ends; 0: never."""
         self.llm = llm
+        self.stall_timeout_s = stall_timeout_s
         self.core = llm.core
         self.max_model_len = llm.core.config.max_model_len
         self.adapters: dict[str, AdapterRecord] = {}  # the loop's view: loaded and not unloading
@@ -82,6 +91,7 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._iteration_started: float | None = None  # monotonic; None between iterations
         # owned by the engine thread
         self._streams: dict[str, _Stream] = {}
         self._unloading: dict[str, AdapterInfo] = {}
@@ -109,7 +119,25 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._thread is not None and self._thread.is_alive() and not self.stalled
+
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has been in its current iteration; 0 between iterations."""
+        started = self._iteration_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    @property
+    def stalled(self) -> bool:
+        return self.stall_timeout_s > 0 and self.stalled_for() > self.stall_timeout_s
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve now, or None."""
+        if self.error is not None or self._thread is None or not self._thread.is_alive():
+            return f"the engine is down: {self.error!r}"
+        if self.stalled:
+            return (f"the engine has been in one step for {self.stalled_for():.0f} s "
+                    f"(more than the stall timeout of {self.stall_timeout_s:g} s)")
+        return None
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
@@ -173,12 +201,14 @@ class AsyncEngine:
                 commands = self._wait_for_work()
                 if commands is None:
                     return
+                self._iteration_started = time.monotonic()
                 for command in commands:
                     command()
                 if self.core.has_unfinished():
                     self._dispatch(self.core.step())
                 self._finish_unloads()
                 self._snapshot = self._take_snapshot()
+                self._iteration_started = None
         except BaseException as exc:  # the core's state is unknown now: fail everyone, stay down
             log.exception("the engine thread failed")
             self._fail_all(exc)

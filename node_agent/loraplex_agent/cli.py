@@ -10,6 +10,7 @@ import os
 from loraplex.cli import CommandRegistry
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)
 
 
 def register(registry: CommandRegistry) -> None:
@@ -129,6 +130,10 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB: a prompt filling a 128k-token context "
                         "is about 0.5 MB as text and 1 MB as token ids, so this leaves room many times over, "
                         "while no request makes the server buffer more)")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help="an engine step running longer than this (a hung device) makes /health answer 503 and "
+                        "takes the agent out of its pool's registry until the step ends; 0: never "
+                        f"(default {DEFAULT_STALL_TIMEOUT_S:g} s, far above any step's duration)")
     add_engine_args(p)
     p.set_defaults(max_lora_rank=None)  # sized from the --adapter folders (loraplex_agent.server)
     _backend_args(p)

@@ -84,18 +84,18 @@ class AdapterCopyFailed(RuntimeError):
 
 @dataclass
 class AssistedAdapter:
-    """An adapter being copied in: its pages record, host weights (float32, transposed and
-    scaled for the CPU matmuls) and copy progress."""
+    """An adapter being copied in: its pages record, the host weights as the host tier holds them
+    ((A [rank, in], B [out, rank]) by (layer, module); the workers read them transposed in place,
+    so starting an assisted request copies nothing on the engine thread) and copy progress."""
 
     record: AdapterPages
     progress: LayerProgress
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    scaling: float = 1.0
 
     @classmethod
     def of(cls, host: HostAdapter, record: AdapterPages, progress: LayerProgress) -> AssistedAdapter:
-        weights = {key: (a.float().t().contiguous(), (b.float().t() * host.scaling).contiguous())
-                   for key, (a, b) in host.weights.items()}
-        return cls(record, progress, weights)
+        return cls(record, progress, host.weights, host.scaling)
 
 
 class CpuAssist:
@@ -152,8 +152,8 @@ def _lora_term(x: torch.Tensor, adapter: AssistedAdapter, layer: int, group: Lor
     for module, col, width in zip(group.modules, group.columns, group.out_features, strict=True):
         pair = adapter.weights.get((layer, module))
         if pair is not None:
-            a_t, b_t = pair
-            out[:, col:col + width] = (x @ a_t) @ b_t
+            a, b = (w if w.dtype == torch.float32 else w.float() for w in pair)
+            out[:, col:col + width] = ((x @ a.t()) * adapter.scaling) @ b.t()  # scaled at rank width
     return out
 
 

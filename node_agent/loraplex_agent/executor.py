@@ -25,7 +25,13 @@ from loraplex_kernels.lora import uses_triton as lora_uses_triton
 from loraplex_kernels.lora_pages import AdapterPages
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.messages import NO_ADAPTER_SLOT, ExecutorResult, ScheduledChunk, SchedulerOutput
+from loraplex.engine.messages import (
+    NO_ADAPTER_SLOT,
+    ExecutorResult,
+    PromptLogprobs,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from loraplex.spec.adapter import AdapterId
 from loraplex_agent.copy_engine import CopyEngine, CopyJobError
 from loraplex_agent.cpu_assist import (
@@ -42,6 +48,7 @@ from loraplex_agent.model.llama import ForwardBatch, LlamaModel
 from loraplex_agent.model.lora_pages import PagedAdapters, lora_groups
 from loraplex_agent.model.weights import load_state_dict
 from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.prompt_logits import PromptRows, prompt_logprobs
 from loraplex_agent.sampler import Sampler
 
 GetAdapter = Callable[[AdapterId], HostAdapter]
@@ -128,7 +135,7 @@ class TorchExecutor:
         self._copy(output, result)
         if output.chunks:
             chunks = sorted(output.chunks, key=self._row_order)
-            logits = self._logits(chunks)
+            logits, result.prompt_logprobs = self._logits(chunks)
             result.sampled = self._sample(logits, [c for c in chunks if c.sample])
         elif self._loading or output.kv_swap_in:
             self.copies.wait_all(timeout=0.005)  # nothing to compute: wait a little for a copy
@@ -209,20 +216,23 @@ class TorchExecutor:
         tokens = self.sampler(logits, [c.sampling for c in chunks], [c.num_output_tokens for c in chunks])
         return {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
 
-    def _logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _logits(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, dict[str, PromptLogprobs]]:
         """Runs the model over chunks ordered decode rows first: a pure decode step from its CUDA
-        graph when one fits, else eagerly."""
+        graph when one fits, else eagerly. Also the prompt logprobs of the chunks that want them."""
         rows = StepRows.of(chunks, self.config.block_size)
         lora, assist = self._lora_batch(rows.row_slots)
         if self.graphs is not None and not rows.prefills and assist is None and len(rows.sample_rows) == len(chunks):
             logits = self.graphs.run(rows.ids, rows.positions, rows.slots, [c.block_ids for c in chunks], lora)
             if logits is not None:
-                return logits
+                return logits, {}
         ids, positions, sample_rows = self._tensors(rows.ids, rows.positions, rows.sample_rows)
         batch = ForwardBatch(input_ids=ids, positions=positions,
                              attention=self._attention_batch(rows.slots, rows.decodes, rows.prefills), lora=lora,
                              sample_rows=sample_rows, assist=assist)
-        return self.model.forward(batch, self.kv_caches)
+        if not rows.prompt_rows:
+            return self.model.forward(batch, self.kv_caches), {}
+        hidden = self.model.hidden_states(batch, self.kv_caches)
+        return self.model.logits(hidden, sample_rows), prompt_logprobs(self.model, hidden, rows.prompt_rows)
 
     def _lora_batch(self, row_slots: list[int]) -> tuple[LoraBatch, StepAssist | None]:
         """The step's LoRA segments; adapters still loading layer by layer get CPU assistance."""
@@ -258,6 +268,7 @@ class StepRows:
     sample_rows: list[int] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[tuple[int, ScheduledChunk]] = field(default_factory=list)  # (first row, chunk)
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # rows whose prompt logprobs are wanted
 
     @classmethod
     def of(cls, chunks: list[ScheduledChunk], block_size: int) -> StepRows:
@@ -271,6 +282,8 @@ class StepRows:
             rows.row_slots.extend([chunk.adapter_slot] * chunk.num_tokens)
             if chunk.sample:
                 rows.sample_rows.append(len(rows.ids) - 1)
+            if chunk.sampling.prompt_logprobs is not None and (wanted := PromptRows.of(chunk, row)):
+                rows.prompt_rows.append(wanted)
             if chunk.num_tokens > 1:
                 rows.prefills.append((row, chunk))
             else:

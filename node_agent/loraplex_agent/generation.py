@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from loraplex.engine.request import FinishReason, Request, SampledToken
+from loraplex.engine.messages import RequestOutput
+from loraplex.engine.request import NO_TOKEN, FinishReason, Request, SampledToken
 from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import LoraplexError
 from loraplex_agent.async_engine import AsyncEngine
@@ -37,6 +38,7 @@ class TextDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     cumulative_logprob: float = 0.0  # sum over every generated token so far (EOS included); 0 without logprobs
+    prompt_logprobs: list[SampledToken | None] | None = None  # in the first delta, when asked for
 
 
 async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
@@ -52,17 +54,14 @@ async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: Serv
         async with aclosing(engine.generate(request, job.adapter)) as outputs:
             async for output in outputs:
                 timer.token()
-                # An EOS or stop token id ends the text without being part of it.
-                text_ids = output.new_token_ids
-                if output.finished and output.finish_reason == FinishReason.STOP:
-                    text_ids = text_ids[:-1]
+                text_ids = _text_ids(output)
                 piece = detokenizer.add(text_ids) + (detokenizer.flush() if output.finished else "")
                 text = stops.add(piece, final=output.finished)
                 finish = _finish_reason(output.finish_reason if output.finished else None, stops.stopped)
                 logprobs = output.new_logprobs[:len(text_ids)] if job.sampling.logprobs is not None else []
                 cumulative += sum(t.logprob for t in output.new_logprobs if t.logprob is not None)
                 yield TextDelta(text, text_ids, logprobs, finish, output.num_prompt_tokens,
-                                output.num_output_tokens, cumulative)
+                                output.num_output_tokens, cumulative, output.prompt_logprobs)
                 if finish is not None:
                     reason = finish
                     return  # leaving `aclosing` aborts a request cut short by a stop string
@@ -72,6 +71,15 @@ async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: Serv
     finally:
         if reason is not None:
             timer.finished(reason, job.adapter, request)
+
+
+def _text_ids(output: RequestOutput) -> list[int]:
+    """The new tokens that are text: an EOS or stop token id ends the text without being part of
+    it, and so does JSON mode's NO_TOKEN (no token could continue)."""
+    ids = output.new_token_ids
+    if output.finished and (output.finish_reason == FinishReason.STOP or ids[-1:] == [NO_TOKEN]):
+        return ids[:-1]
+    return ids
 
 
 def _finish_reason(engine_reason: FinishReason | None, stop_string: bool) -> str | None:

@@ -28,6 +28,7 @@ from loraplex_agent.adapters import AdapterStore, load_peft_adapter
 from loraplex_agent.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
 from loraplex_agent.executor import TorchExecutor
 from loraplex_agent.host_adapter import HostAdapter
+from loraplex_agent.json_mode import TokenTexts
 from loraplex_agent.model_config import ModelConfig
 
 Prompt = str | list[int]
@@ -93,6 +94,8 @@ class LLM:
         self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
+        self.executor.sampler.json.use_vocabulary(TokenTexts.of(self.tokenizer, self.model_config.vocab_size,
+                                                                torch_device))
         self._request_ids = itertools.count()
 
     # ---- adapters ---------------------------------------------------------------------------
@@ -130,16 +133,20 @@ class LLM:
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams],
                  adapters: Sequence[str | None] | None = None) -> list[Request]:
-        """Run every prompt to completion (continuous batching inside); requests in prompt order."""
+        """Run every prompt to completion (continuous batching inside); requests in prompt order,
+        with their `prompt_logprobs` when their sampling parameters ask for them."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
         names = list(adapters) if adapters is not None else [None] * len(prompts)
         if not len(params) == len(names) == len(prompts):
             raise InvalidRequestError("prompts, sampling and adapters must have the same length")
         requests = [self.make_request(p, s, a) for p, s, a in zip(prompts, params, names, strict=True)]
+        by_id = {request.request_id: request for request in requests}
         for request in requests:
             self.core.add_request(request)
         while not all(r.is_finished for r in requests):
-            self.core.step()
+            for output in self.core.step():
+                if output.prompt_logprobs is not None and output.request_id in by_id:
+                    by_id[output.request_id].prompt_logprobs = output.prompt_logprobs
         return requests
 
     def make_request(self, prompt: Prompt, sampling: SamplingParams, adapter: str | None = None) -> Request:

@@ -1,9 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (and vLLM's adapter endpoints).
 
 Unknown fields are ignored, as OpenAI and vLLM do. Fields we know but do not implement are
-accepted only with their neutral value, so a client never gets a silently different answer. The
-one documented exception is `response_format: {"type": "json_object"}`, accepted without being
-enforced (docs/api.md).
+accepted only with their neutral value, so a client never gets a silently different answer
+(docs/api.md).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM extension
     user: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -63,6 +63,11 @@ class _SamplingFields(BaseModel):
 
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def json_object(self) -> bool:
+        """JSON mode: the output must be one JSON object."""
+        return self.response_format is not None and self.response_format.type == "json_object"
 
     @property
     def num_choices(self) -> int:
@@ -81,6 +86,8 @@ class _SamplingFields(BaseModel):
                                       param="stream_options")
         if self.response_format is not None:
             _check_response_format(self.response_format.type)
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs is not available with stream", param="prompt_logprobs")
 
     def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """`logit_bias` with its string keys read as token ids of the vocabulary."""
@@ -105,11 +112,11 @@ def _check_count(value: int, param: str) -> None:
 
 
 def _check_response_format(kind: str) -> None:
-    """`text` and `json_object` are accepted; JSON output is NOT enforced (no constrained decoding),
-    so `json_schema`, which promises a schema, is refused rather than silently ignored."""
+    """`text`, and `json_object` (enforced: the output is one JSON object); `json_schema`, which
+    promises a schema we do not check, is refused rather than silently weakened to json_object."""
     if kind == "json_schema":
-        raise InvalidRequestError("response_format json_schema is not supported: this server has no "
-                                  "constrained decoding; use json_object and describe the schema in the prompt",
+        raise InvalidRequestError("response_format json_schema is not supported: only json_object is enforced "
+                                  "(any JSON object); describe the schema in the prompt and validate the answer",
                                   param="response_format")
     if kind not in ("text", "json_object"):
         raise InvalidRequestError(f"response_format type must be text or json_object, got {kind!r}",
@@ -127,6 +134,12 @@ class CompletionRequest(_SamplingFields):
     @property
     def num_sequences(self) -> int:
         return self.num_choices if self.best_of is None else self.best_of
+
+    def num_prompt_logprobs(self) -> int | None:
+        """`prompt_logprobs`, else `logprobs` with `echo` (the echoed prompt's tokens get theirs)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -239,11 +252,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`: one token's logprob, rank (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per prompt token, keyed by token id (the prompt's token first, then the top k); the
+# first token's entry is None: nothing predicts it.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension, when `prompt_logprobs` is asked for
 
 
 class CompletionResponse(BaseModel):
@@ -288,6 +315,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension, when `prompt_logprobs` is asked for
 
 
 class DeltaMessage(BaseModel):

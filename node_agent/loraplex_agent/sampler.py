@@ -11,6 +11,10 @@ generated tokens (OpenAI's definition). Temperature, top-k and top-p follow. Log
 Random draws use the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p). A seeded
 request draws its noise from its own generator, seeded by (seed, number of tokens generated so
 far), so it yields the same tokens alone, inside any batch, and after a preemption.
+
+Rows in JSON mode (`SamplingParams.json_object`) then take the best-ranked token that keeps their
+output a JSON-object prefix (`loraplex_agent.json_mode`); the other rows are chosen exactly as
+without them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.request import SampledToken
+from loraplex.engine.request import NO_TOKEN, SampledToken
 from loraplex.engine.sampling import SamplingParams, TokenHistory
+from loraplex_agent.json_mode import JsonMode, greedy_ranking, race_rankings
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
 
@@ -36,28 +41,44 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
         self.tokens = TokenTensors(device)
+        self.json = JsonMode()  # the LLM gives it the token texts (`use_vocabulary`)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  steps: Sequence[int]) -> list[SampledToken]:
         """logits [n, vocab] float32, one row per request; steps[i] = tokens request i has generated."""
-        tokens = self._choose(adjust(logits, params, self.tokens), params, steps).tolist()
+        tokens = self._choose(adjust(logits, params, self.tokens), params, steps)
         if all(p.logprobs is None for p in params):
             return [SampledToken(t) for t in tokens]
         logprobs = torch.log_softmax(logits, dim=-1)
-        return [_with_logprobs(t, logprobs[i], p.logprobs) if p.logprobs is not None else SampledToken(t)
-                for i, (t, p) in enumerate(zip(tokens, params, strict=True))]
+        return [_with_logprobs(t, logprobs[i], p.logprobs) if p.logprobs is not None and t != NO_TOKEN
+                else SampledToken(t) for i, (t, p) in enumerate(zip(tokens, params, strict=True))]
 
-    def _choose(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                steps: Sequence[int]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> list[int]:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        races: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # JSON-mode row -> (race keys, noise)
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             chosen = [params[i] for i in random_rows]
             probs = torch.softmax(restrict(logits[rows], chosen), dim=-1)
             noise = self._noise(probs.shape, chosen, [steps[i] for i in random_rows])
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+            race = probs / noise
+            tokens[rows] = race.argmax(dim=-1)
+            races = {row: (race[j], noise[j]) for j, row in enumerate(random_rows) if params[row].json_object}
+        chosen_ids = tokens.tolist()
+        self._constrain(chosen_ids, logits, params, races)
+        return chosen_ids
+
+    def _constrain(self, tokens: list[int], logits: torch.Tensor, params: Sequence[SamplingParams],
+                   races: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """JSON-mode rows take the best-ranked token that keeps their output valid: by the
+        adjusted logits when greedy, by the race keys of the draw above when random."""
+        for row, p in enumerate(params):
+            if p.json_object:
+                race = races.get(row)
+                rankings = greedy_ranking(logits[row]) if race is None else race_rankings(logits[row], *race,
+                                                                                           p.temperature)
+                tokens[row] = self.json.choose(p, rankings)
 
     def _noise(self, shape: torch.Size, params: Sequence[SamplingParams], steps: Sequence[int]) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device).exponential_(generator=self.generator)

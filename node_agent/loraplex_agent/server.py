@@ -137,9 +137,10 @@ def _add_adapter_routes(app: FastAPI, ctx: ServingContext, api_key: str | None) 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/health", responses=_errors(503))
     async def health() -> Response:
-        if ctx.engine.healthy:
+        problem = ctx.engine.health_problem()
+        if problem is None:
             return Response(status_code=200)
-        return _error_response(503, "service_unavailable", f"the engine is down: {ctx.engine.error!r}")
+        return _error_response(503, "service_unavailable", problem)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -348,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--model {args.model!r} is not a folder")
     if args.max_request_bytes < 1:
         raise CommandError("--max-request-bytes must be at least 1")
+    if not args.stall_timeout >= 0:
+        raise CommandError("--stall-timeout must be >= 0 (0: never)")
     import uvicorn
 
     with listen_socket(args.host, args.port) as sock:
@@ -386,7 +389,7 @@ def load_engine(args: argparse.Namespace, adapters: tuple[tuple[str, str], ...])
             llm.register(host)
         except LoraplexError as exc:
             raise CommandError(f"--adapter {host.info.id.name}: {_one_line(exc)}") from None
-    engine = AsyncEngine(llm)  # after the adapters, so that its first snapshot counts them
+    engine = AsyncEngine(llm, args.stall_timeout)  # after the adapters: its first snapshot counts them
     for path, host in loaded:
         engine.adapters[host.info.id.name] = AdapterRecord(host.info, path)
     return engine

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 from tokenizers import pre_tokenizers
 
+from loraplex.engine.request import SampledToken
 from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError
 from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.generation import GenerationJob
 from loraplex_agent.metrics import ServerMetrics
-from loraplex_agent.openai_protocol import ChatMessage, _SamplingFields
+from loraplex_agent.openai_protocol import ChatMessage, PromptLogprob, PromptLogprobs, _SamplingFields
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -88,7 +89,7 @@ class ServingContext:
                 "tokenizer can hold at most)", param=param, code="context_length_exceeded")
 
     def sampling_params(self, req: _SamplingFields, num_prompt_tokens: int, max_tokens: int | None,
-                        logprobs: int | None, prompt_param: str) -> SamplingParams:
+                        logprobs: int | None, prompt_param: str, prompt_logprobs: int | None = None) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise InvalidRequestError(
@@ -108,7 +109,8 @@ class ServingContext:
             ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=req.logit_bias_pairs(self.engine.llm.model_config.vocab_size))
+            logit_bias=req.logit_bias_pairs(self.engine.llm.model_config.vocab_size),
+            json_object=req.json_object, prompt_logprobs=prompt_logprobs)
 
     def job(self, prefix: str, prompt_token_ids: list[int], sampling: SamplingParams,
             adapter: str | None) -> GenerationJob:
@@ -124,6 +126,20 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
+
+    def prompt_logprobs(self, entries: list[SampledToken | None] | None) -> PromptLogprobs | None:
+        """vLLM's `prompt_logprobs`: per prompt token, its entry and the top k by token id."""
+        if entries is None:
+            return None
+        return [None if entry is None else self._prompt_entry(entry) for entry in entries]
+
+    def _prompt_entry(self, entry: SampledToken) -> dict[str, PromptLogprob]:
+        scored = {str(entry.token_id): PromptLogprob(logprob=entry.logprob, rank=entry.rank,
+                                                     decoded_token=self.token_text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top_logprobs or [], start=1):
+            scored.setdefault(str(token_id), PromptLogprob(logprob=logprob, rank=rank,
+                                                           decoded_token=self.token_text(token_id)))
+        return scored
 
 
 def prompt_byte_limit(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int | None:

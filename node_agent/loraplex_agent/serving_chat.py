@@ -29,7 +29,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     req.check_supported()
     adapter = ctx.resolve_model(req.model)
     prompt_ids = ctx.render_chat(req.messages)
-    sampling = ctx.sampling_params(req, len(prompt_ids), req.max_new_tokens(), req.num_logprobs(), "messages")
+    sampling = ctx.sampling_params(req, len(prompt_ids), req.max_new_tokens(), req.num_logprobs(), "messages",
+                                   req.prompt_logprobs)
     request_id, jobs = sibling_jobs(ctx, "chatcmpl", prompt_ids, sampling, adapter, req.num_sequences)
     choices = await start_choices(ctx, request_id, jobs)
     if req.stream:
@@ -49,7 +50,8 @@ async def _collect(ctx: ServingContext, req: ChatCompletionRequest, choices: Cho
             last[index] = delta
     answers = [ChatChoice(index=i, message=AssistantMessage(content="".join(texts[i])), logprobs=logprobs[i],
                           finish_reason=last[i].finish_reason) for i in range(len(choices.jobs))]
-    return ChatCompletionResponse(id=choices.request_id, model=req.model, choices=answers, usage=_usage(last))
+    return ChatCompletionResponse(id=choices.request_id, model=req.model, choices=answers, usage=_usage(last),
+                                  prompt_logprobs=ctx.prompt_logprobs(choices.firsts[0].prompt_logprobs))
 
 
 def _usage(last: list[TextDelta]) -> Usage:

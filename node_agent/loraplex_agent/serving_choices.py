@@ -57,8 +57,10 @@ def sibling_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
 
 
 async def start_choices(ctx: ServingContext, request_id: str, jobs: list[GenerationJob]) -> Choices:
-    """Prefill the prompt once when siblings can share it, then start every sibling together."""
-    if len(jobs) > 1 and ctx.shares_prefill(len(jobs[0].prompt_token_ids)):
+    """Prefill the prompt once when siblings can share it, then start every sibling together.
+    Siblings that want prompt logprobs each compute the prompt: a cached prefix has no logits."""
+    sharing = jobs[0].sampling.prompt_logprobs is None and ctx.shares_prefill(len(jobs[0].prompt_token_ids))
+    if len(jobs) > 1 and sharing:
         await prefill_once(ctx.engine, jobs[0], f"{request_id}-prefill")
     streams = [generate_text(ctx.engine, ctx.tokenizer, ctx.metrics, job) for job in jobs]
     firsts = await first_of_each(streams)

@@ -2,8 +2,9 @@
 
 `best_of` generates that many sequences and returns the `n` with the highest cumulative logprob
 (raw logprobs of every generated token). `echo` puts the prompt's text before each choice's text;
-with `logprobs`, the prompt's tokens come first with a null logprob (prompt logprobs are not
-computed: the engine samples the last row of a prefill only).
+with `logprobs`, the prompt's tokens come first, each with its logprob given the tokens before it
+(the first one's null), computed by the engine over every prompt position (`prompt_logprobs`).
+vLLM's `prompt_logprobs` parameter also gives them, in vLLM's shape, in each choice.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from loraplex.engine.request import SampledToken
 from loraplex_agent.generation import TextDelta
 from loraplex_agent.openai_protocol import (
     CompletionChoice,
@@ -40,7 +42,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest
     # best_of ranks by the sampled tokens' logprobs, so they are computed even when not asked for
     ranked = req.num_sequences > req.num_choices
     logprobs = 0 if ranked and req.logprobs is None else req.logprobs
-    sampling = ctx.sampling_params(req, len(prompt_ids), req.max_tokens, logprobs, "prompt")
+    sampling = ctx.sampling_params(req, len(prompt_ids), req.max_tokens, logprobs, "prompt",
+                                   req.num_prompt_logprobs())
     request_id, jobs = sibling_jobs(ctx, "cmpl", prompt_ids, sampling, adapter, req.num_sequences)
     choices = await start_choices(ctx, request_id, jobs)
     echo = _Echo(prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids), prompt_ids) \
@@ -57,9 +60,8 @@ async def _collect(ctx: ServingContext, req: CompletionRequest, choices: Choices
         async for index, delta in deltas:
             texts[index].add(delta, fresh=False)
     best = _best(texts, req.num_choices)
-    return CompletionResponse(id=choices.request_id, model=req.model,
-                              choices=[text.choice(index) for index, text in enumerate(best)],
-                              usage=_usage(texts))
+    answers = [text.choice(index, req.prompt_logprobs is not None) for index, text in enumerate(best)]
+    return CompletionResponse(id=choices.request_id, model=req.model, choices=answers, usage=_usage(texts))
 
 
 def _best(texts: list[_ChoiceText], n: int) -> list[_ChoiceText]:
@@ -98,20 +100,24 @@ class _ChoiceText:
     """One choice: its text and logprobs, whole or per streamed delta; the echoed prompt goes first."""
 
     def __init__(self, ctx: ServingContext, logprobs: bool, echo: _Echo | None) -> None:
+        self.ctx = ctx
         self.logprobs = _LogprobsBuilder(ctx) if logprobs else None
         self.echo = echo  # still to be sent
         self.parts: list[str] = []
         self.last = TextDelta("", [], [], None, 0, 0)
+        self.prompt_logprobs: list[SampledToken | None] | None = None  # from the first delta
 
     def add(self, delta: TextDelta, fresh: bool) -> tuple[str, CompletionLogprobs | None]:
         """Take `delta` in; the text and (with `fresh`, only its own) logprobs it adds."""
         text = delta.text
         if self.logprobs is not None and fresh:
             self.logprobs.restart()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if self.echo is not None:
             text = self.echo.text + text
             if self.logprobs is not None:
-                self.logprobs.extend_prompt(self.echo.token_ids)
+                self.logprobs.extend_prompt(self.echo.token_ids, delta.prompt_logprobs)
                 self.logprobs.offset = len(self.echo.text)  # generated tokens' offsets point into the text
             self.echo = None
         if self.logprobs is not None:
@@ -120,9 +126,11 @@ class _ChoiceText:
         self.last = delta
         return text, self.logprobs.current if self.logprobs is not None else None
 
-    def choice(self, index: int) -> CompletionChoice:
+    def choice(self, index: int, prompt_logprobs: bool) -> CompletionChoice:
+        """The whole choice; with `prompt_logprobs`, vLLM's list of them too."""
         return CompletionChoice(index=index, text="".join(self.parts), finish_reason=self.last.finish_reason,
-                                logprobs=self.logprobs.current if self.logprobs is not None else None)
+                                logprobs=self.logprobs.current if self.logprobs is not None else None,
+                                prompt_logprobs=self.ctx.prompt_logprobs(self.prompt_logprobs) if prompt_logprobs else None)
 
 
 class _LogprobsBuilder:
@@ -137,17 +145,25 @@ class _LogprobsBuilder:
         """Start a new set of entries (streaming sends each delta's tokens on their own)."""
         self.current = CompletionLogprobs()
 
-    def extend_prompt(self, token_ids: list[int]) -> None:
-        """Echoed prompt tokens: their text, no logprob."""
-        for token_id in token_ids:
-            self._entry(self.ctx.token_text(token_id), None, None)
+    def extend_prompt(self, token_ids: list[int], scored: list[SampledToken | None] | None) -> None:
+        """Echoed prompt tokens: their text and their logprobs (none for the first token, which
+        nothing predicts, nor where the engine gave none)."""
+        for token_id, entry in zip(token_ids, scored or [None] * len(token_ids), strict=True):
+            if entry is None:
+                self._entry(self.ctx.token_text(token_id), None, None)
+            else:
+                self._scored(token_id, entry)
 
     def extend(self, delta: TextDelta) -> None:
         for token_id, sampled in zip(delta.token_ids, delta.logprobs, strict=True):
-            token = self.ctx.token_text(token_id)
-            top = {self.ctx.token_text(t): lp for t, lp in sampled.top_logprobs or []}
-            top.setdefault(token, sampled.logprob)
-            self._entry(token, sampled.logprob, top)
+            self._scored(token_id, sampled)
+
+    def _scored(self, token_id: int, scored: SampledToken) -> None:
+        """A token with its logprob; its top alternatives (by text) hold it too."""
+        token = self.ctx.token_text(token_id)
+        top = {self.ctx.token_text(t): lp for t, lp in scored.top_logprobs or []}
+        top.setdefault(token, scored.logprob)
+        self._entry(token, scored.logprob, top)
 
     def _entry(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
         self.current.tokens.append(token)

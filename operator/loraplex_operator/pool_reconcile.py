@@ -20,6 +20,7 @@ from loraplex.routing import (
     StaleVersionError,
     StoreUnavailableError,
 )
+from loraplex.routing.choice import pool_routing, routing_error
 from loraplex.spec.crd import (
     API_VERSION,
     AdapterPoolSpec,
@@ -49,6 +50,7 @@ from loraplex_operator.pool_objects import (
     volume_conflicts,
 )
 from loraplex_operator.pool_policy import MAX_SERVER_LOAD
+from loraplex_operator.pool_routes import PoolRoutes, Synced
 from loraplex_operator.pool_sizing import INVALID_SIZING, planner_sizing, size_with_planner
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
 from loraplex_operator.replica_bounds import replica_bounds
@@ -89,6 +91,7 @@ def _pool_ref(ref: ObjectRef) -> PoolRef:
 
 
 INVALID_ENGINE = "InvalidEngine"
+INVALID_ROUTING = "InvalidRouting"
 
 
 class InvalidPool(Exception):
@@ -109,7 +112,20 @@ def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
         check_policies(engine.scheduler, engine.scheduler_options, engine.memory_policy, engine.memory_options)
     except ValueError as exc:
         return INVALID_ENGINE, f"engine: {exc}"
+    error = routing_error(pool_routing(spec))  # the router's own check: it would refuse the choice
+    if error:
+        return INVALID_ROUTING, f"routing: {error}"
     return "", ""
+
+
+def _route_as_specified(routes: PoolRoutes, spec: AdapterPoolSpec, synced: Synced) -> Synced:
+    """The table naming the pool's routing choice, published again if it names another one. A choice
+    the routers would refuse is not published (the pool turns Failed/InvalidRouting instead)."""
+    table, _ = synced
+    routing = pool_routing(spec)
+    if table is None or table.routing == routing or routing_error(routing):
+        return synced
+    return routes.set_routing(routing)
 
 
 def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps, applied_hash: str = "") -> tuple[int, str]:
@@ -325,7 +341,7 @@ def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, pre
         records = {r.name: r for r in store.adapters()}
         if _prune_registry(spec, deployments, records, deps, store) or _reregister(ref, spec, deployments, records, deps):
             records = {r.name: r for r in store.adapters()}
-        table, servers = routes.sync()
+        table, servers = _route_as_specified(routes, spec, routes.sync())
         due = placement_due(previous.last_placement_time if previous else None,
                             spec.placement.interval_seconds, now)
         if by_planner:  # before placing: a failed placement must not hold the plan back

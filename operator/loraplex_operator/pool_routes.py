@@ -1,6 +1,7 @@
 """The one place that writes a pool's routing table in this operator: the registry sync between
-placements (a LoRADeployment added, changed or deleted) and the periodic placement take the same
-lock, so table versions never race each other, and concurrent syncs are coalesced into one version.
+placements (a LoRADeployment added, changed or deleted), the pool's routing choice (`spec.routing`)
+and the periodic placement take the same lock, so table versions never race each other, and
+concurrent syncs are coalesced into one version.
 
 Only servers that may serve count: a fresh heartbeat, and (on Kubernetes) a Ready pod."""
 
@@ -8,16 +9,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 from loraplex.engine.clock import Clock
 from loraplex.placement.controller import ControllerReport, PlacementController
 from loraplex.routing import RoutingStore, RoutingTable, ServerRecord, StaleVersionError
+from loraplex.routing.choice import RoutingChoice
 from loraplex_operator.coalesce import Coalescer
 from loraplex_operator.replica_bounds import ReplicaBounds
 from loraplex_operator.table_edits import sync_with_registry
 
 ControllerKey = tuple[str, bool, float]  # policy, GPU servers, hysteresis
 Synced = tuple[RoutingTable | None, list[ServerRecord]]
+Edit = Callable[[RoutingTable | None, list[ServerRecord]], RoutingTable | None]  # the next table, or None
 
 
 class PoolRoutes:
@@ -40,13 +44,23 @@ class PoolRoutes:
         that started after this call."""
         return self._sync()
 
+    def set_routing(self, routing: RoutingChoice | None) -> Synced:
+        """Publishes the table again naming `routing` (the pool's spec.routing) unless it does already;
+        returns (table, serving servers). No table yet: nothing to do (the routers have nothing to route)."""
+        return self._edit(lambda table, _: _with_routing(table, routing, self.clock.now()))
+
     def _sync_once(self) -> Synced:
+        def edit(table: RoutingTable | None, servers: list[ServerRecord]) -> RoutingTable | None:
+            copies = {**self.bounds.minimum, **self.copies}
+            return sync_with_registry(table, self.store.adapters(), servers, self.clock.now(), copies)
+        return self._edit(edit)
+
+    def _edit(self, edit: Edit) -> Synced:
         with self._lock:
             for _ in range(2):
                 servers = self.serving(self.store.healthy_servers())
                 table = self.store.read_table()
-                copies = {**self.bounds.minimum, **self.copies}
-                new = sync_with_registry(table, self.store.adapters(), servers, self.clock.now(), copies)
+                new = edit(table, servers)
                 if new is None:
                     return table, servers
                 try:
@@ -66,3 +80,9 @@ class PoolRoutes:
         if self._controller is None or self._controller[0] != key:
             self._controller = (key, build())
         return self._controller[1]
+
+
+def _with_routing(table: RoutingTable | None, routing: RoutingChoice | None, now: float) -> RoutingTable | None:
+    if table is None or table.routing == routing:
+        return None
+    return replace(table, version=table.version + 1, created_at=now, routing=routing)

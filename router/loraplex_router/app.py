@@ -22,6 +22,7 @@ from loraplex_router.cli import DEFAULT_MAX_REQUEST_BYTES
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import ErrorResponse, RequestTooLargeError, error_response
 from loraplex_router.metrics import RouterMetrics
+from loraplex_router.profiles import ProfileSwitch
 from loraplex_router.proxy import Forward, Proxy, ProxyConfig, prepare_body
 from loraplex_router.snapshot import Snapshot
 from loraplex_router.table_cache import TableCache
@@ -29,8 +30,9 @@ from loraplex_router.table_cache import TableCache
 
 @dataclass
 class RouterSettings:
-    profile: Profile
+    profile: Profile  # the flags' profile: used while the routing table names none
     keys: KeyRing
+    profile_name: str = "loraserve"  # the flags' --profile (for the metrics)
     base_model: str | None = None
     poll_interval_s: float = 1.0
     connect_timeout_s: float = 2.0
@@ -44,7 +46,9 @@ class RouterSettings:
 def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
     metrics = RouterMetrics()
     demand = DemandCounter()
-    cache = TableCache(store, metrics, demand, settings.base_model, settings.poll_interval_s)
+    profiles = ProfileSwitch(settings.profile, settings.profile_name, metrics)
+    cache = TableCache(store, metrics, demand, settings.base_model, settings.poll_interval_s,
+                       on_table=profiles.follow)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -52,8 +56,9 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             config = ProxyConfig(settings.max_attempts, settings.ttfb_deadline_s, settings.outliers)
-            app.state.proxy = Proxy(client, settings.profile, metrics, demand, config, lambda: cache.snapshot,
+            app.state.proxy = Proxy(client, profiles.profile, metrics, demand, config, lambda: cache.snapshot,
                                     cache.clock, drop=cache.drop_server)
+            profiles.attach(app.state.proxy)
             cache.start()
             try:
                 yield
@@ -71,7 +76,7 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
         return await _handle(request, "/v1/chat/completions")
 
     async def _handle(request: Request, path: str) -> Response:
-        model = ""
+        label = ""  # the metrics' model label: a model the pool serves, never a client's free text
         try:
             key = settings.keys.authenticate(request.headers.get("authorization"))
             raw = await _read_body(request, settings.max_request_bytes)
@@ -79,12 +84,13 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
             model = body["model"]
             snapshot = _ready(cache.snapshot)
             adapter = _resolve(snapshot, model)
+            label = model
             settings.keys.check(key, adapter, model)
             payload, stream, wants_usage = prepare_body(body, raw)
             fwd = Forward(path, payload, model, adapter, stream, wants_usage, time.monotonic())
             return await request.app.state.proxy.forward(snapshot, fwd)
         except LoraplexError as exc:
-            metrics.requests.labels(model, str(exc.status)).inc()
+            metrics.requests.labels(label, str(exc.status)).inc()
             return error_response(exc)
 
     async def models(request: Request) -> Response:

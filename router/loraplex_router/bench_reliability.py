@@ -28,19 +28,25 @@ import logging
 import os
 import platform
 import signal
-import socket
 import tempfile
-import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from loraplex.cli import CommandError
 from loraplex.spec.crd import API_VERSION
-from loraplex_router.local_stack import DEFAULT_MODEL_DIR, LocalStack, StackConfig, ensure_tiny_model
+from loraplex_router.closed_loop import ClosedLoop
+from loraplex_router.local_stack import (
+    DEFAULT_MODEL_DIR,
+    LocalStack,
+    StackConfig,
+    ensure_tiny_model,
+    running_stack,
+)
+from loraplex_router.processes import free_port, free_port_block
 
 SCENARIOS = ("stop", "kill", "redis")
 REDIS_DOWN_S = 5.0
@@ -60,49 +66,26 @@ class Sent:
     first: float = 0.0  # seconds to the answer's first bytes (a non-streamed answer comes whole)
 
 
-@dataclass
-class Load:
+class Load(ClosedLoop):
     """Closed-loop clients through the router until stopped; every request is recorded."""
 
-    url: str
-    models: list[str]
-    clients: int
-    max_tokens: int
-    sent: list[Sent] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.t0 = time.monotonic()
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
-
-    def __enter__(self) -> Load:
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(self.clients)]
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
+    def __init__(self, url: str, models: list[str], clients: int, max_tokens: int) -> None:
+        super().__init__(clients)
+        self.url = url
+        self.models = models
+        self.max_tokens = max_tokens
+        self.sent: list[Sent] = []
 
     def served_by(self, server: str, since: float) -> bool:
-        with self._lock:
+        with self.lock:
             return any(s.server == server and s.ok and s.at >= since for s in self.sent)
 
-    def _run(self, client: int) -> None:
-        with httpx.Client(base_url=self.url, timeout=300) as http:
-            i = client
-            while not self._stop.is_set():
-                body = {"model": self.models[i % len(self.models)], "prompt": "def add(a, b):",
-                        "max_tokens": self.max_tokens, "stream": i % 2 == 0}
-                i += self.clients
-                self._one(http, body)
+    def session(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=300)
 
-    def _one(self, http: httpx.Client, body: dict) -> None:
+    def send(self, http: httpx.Client, i: int) -> None:
+        body = {"model": self.models[i % len(self.models)], "prompt": "def add(a, b):",
+                "max_tokens": self.max_tokens, "stream": i % 2 == 0}
         at = self.now()
         server, error, first = "", "", None
         try:
@@ -120,7 +103,7 @@ class Load:
         except httpx.HTTPError as exc:
             error = repr(exc)
         seconds = self.now() - at
-        with self._lock:
+        with self.lock:
             self.sent.append(Sent(at, seconds, not error, server, error, seconds if first is None else first))
 
 
@@ -134,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--clients >= 1, --agents >= 2, --stop-seconds > 0, --warmup and --after >= 0")
     if args.replicas is not None and not 1 <= args.replicas <= args.agents:
         raise CommandError("--replicas must be between 1 and --agents")
-    results = {"machine": _machine(), "clients": args.clients, "agents": args.agents, "replicas": args.replicas,
+    results = {"machine": machine(), "clients": args.clients, "agents": args.agents, "replicas": args.replicas,
                "max_tokens": args.max_tokens, "stop_seconds": args.stop_seconds, "scenarios": {}}
     for scenario in scenarios:
         results["scenarios"][scenario] = _scenario(args, scenario)
@@ -160,17 +143,10 @@ def _in(args: argparse.Namespace, scenario: str, workdir: Path) -> dict:
     """The scenario on a stack whose logs and files go to `workdir`."""
     manifests = _manifests(args, workdir) if args.replicas else None
     config = StackConfig(agents=args.agents, model=Path(args.model) if args.model else None, manifests=manifests,
-                         router_port=_free_port(), agent_base_port=_free_block(args.agents),
-                         redis_port=_free_port(), workdir=workdir, router_args=["--log-level", "warning"])
-    stack = LocalStack(config).start()
-    try:
-        stack.start_background()
+                         router_port=free_port(), agent_base_port=free_port_block(args.agents),
+                         redis_port=free_port(), workdir=workdir, router_args=["--log-level", "warning"])
+    with running_stack(config) as stack:
         return _measure(args, scenario, stack)
-    finally:
-        for child in stack.agents.values():
-            if child.alive:
-                child.process.send_signal(signal.SIGCONT)
-        stack.stop()
 
 
 def _manifests(args: argparse.Namespace, workdir: Path) -> Path:
@@ -297,30 +273,7 @@ def _table(results: dict) -> str:
     return "\n".join(rows)
 
 
-def _machine() -> str:
+def machine() -> str:
+    """The machine a benchmark ran on, in one line."""
     return (f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
             f"{platform.python_implementation()} {platform.python_version()}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_block(count: int) -> int:
-    """The first of `count` consecutive ports that are free now."""
-    for _ in range(100):
-        first = _free_port()
-        if first + count < 65000 and all(_is_free(first + i) for i in range(count)):
-            return first
-    raise CommandError("no block of free ports for the agents")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

@@ -1,5 +1,5 @@
 """The router's subcommands: `loraplex router`, `loraplex up`, `loraplex bench router` and
-`loraplex bench reliability`.
+`loraplex bench reliability` and `loraplex bench soak`.
 Arguments are declared here; each command imports its module only when it runs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 def register(registry: CommandRegistry) -> None:
     registry.add("router", "Run the router: an OpenAI-compatible endpoint in front of a pool of agents",
-                 _router_args, _run("loraplex_router.main"))
+                 add_router_args, _run("loraplex_router.main"))
     registry.add("up", "Run the whole system on this machine: Redis, N agents on the tiny model, the "
                  "placement controller and the router; applies AdapterPool/LoRADeployment YAML",
                  _up_args, _run("loraplex_router.local_stack"))
@@ -23,6 +23,9 @@ def register(registry: CommandRegistry) -> None:
     registry.add("bench reliability", "What an agent stopped (SIGSTOP) or killed, or Redis restarted, costs "
                  "under load through `loraplex up`: requests lost, added latency, throughput",
                  _reliability_args, _run("loraplex_router.bench_reliability"))
+    registry.add("bench soak", "Steady mixed traffic (bad requests included) through `loraplex up` for minutes: "
+                 "RSS of the router, the agents and Redis, its growth after a warm-up, requests failed",
+                 _soak_args, _run("loraplex_router.bench_soak"))
 
 
 def _run(module: str):
@@ -34,7 +37,9 @@ def _run(module: str):
 def add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="loraserve", help="routing profile: loraserve (φ-weighted random), "
                    "load-aware (φ + queue depth + residency), least-loaded (shortest queue) or rank-aware "
-                   "(Toppings: the least extra per-token latency, SLO filter); docs/router.md")
+                   "(Toppings: the least extra per-token latency, SLO filter). An AdapterPool's spec.routing, "
+                   "which the routing table carries, replaces this and the three flags below while it is set; "
+                   "docs/router.md")
     p.add_argument("--routing-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the rank-aware profile (repeatable), e.g. slo_tpot_s=0.05 or "
                         "latency_profile=whatif-h100-llama8b")
@@ -43,7 +48,7 @@ def add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--picker", default=None, help="override the profile's picker: weighted-random or max-score")
 
 
-def _router_args(p: argparse.ArgumentParser) -> None:
+def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the pool's routing store")
     p.add_argument("--pool", default="default", help="pool name (the AdapterPool's name)")
     p.add_argument("--host", default="127.0.0.1")
@@ -72,11 +77,12 @@ def _outlier_args(p: argparse.ArgumentParser) -> None:
                    "a busy CPU agent takes seconds, so this leaves room, and a server that stopped altogether "
                    "(its heartbeat late too) is left much sooner; the deadline also grows to 4 x the recent p90 "
                    "time to first chunk when every server gets slow, so overload is not answered with retries. "
-                   "Non-streamed answers come whole, so they are never cut by it. 0: no deadline")
+                   "A non-streamed answer comes whole, so past the deadline its server's /health is probed "
+                   "instead (once per deadline): no 200 within 2 s and the request goes elsewhere. 0: no deadline")
     p.add_argument("--eject-after", type=int, default=3, metavar="N",
-                   help="eject a server (no requests for a while) after N deadline misses or broken connections "
-                   "in a row; at once when a connection is refused or its heartbeat is late while it keeps a "
-                   "request waiting. 0: never eject")
+                   help="eject a server (no requests for a while) after N deadline misses (a failed /health "
+                   "probe included) or broken connections in a row; at once when a connection is refused or its "
+                   "heartbeat is late while it keeps a request waiting. 0: never eject")
     p.add_argument("--ejection-time", type=float, default=5.0, metavar="SECONDS",
                    help="the first ejection's length; the k-th in a row lasts k times this (at most 60 s). A server "
                    "ejected for a late heartbeat is back as soon as it heartbeats again")
@@ -103,6 +109,9 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=".loraplex", help="logs and fetched adapters go here")
     p.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for every agent (repeatable), e.g. --agent-arg=--num-blocks=64")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for the router (repeatable), any `loraplex router` flag, e.g. "
+                        "--router-arg=--ttfb-deadline=30 or --router-arg=--api-keys=keys.yaml")
     p.add_argument("--backend", choices=["loraplex", "vllm"], default=None,
                    help="the agents' engine: ours, or an unmodified vLLM server beside each agent (default: the "
                         "AdapterPool's engine.backend, else loraplex); docs/vllm.md")
@@ -141,3 +150,20 @@ def _reliability_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", default=None, help="write every request (sent at, seconds, ok, server) as JSON here")
     p.add_argument("--workdir", default=None, help="keep each scenario's logs under DIR/<scenario>; default: a "
                    "temporary folder, removed")
+
+
+def _soak_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=30.0, help="how long the traffic runs, warm-up included")
+    p.add_argument("--warmup-minutes", type=float, default=5.0,
+                   help="RSS growth is measured from the end of this (caches and allocator pools fill first)")
+    p.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
+    p.add_argument("--clients", type=int, default=4, help="concurrent clients (each waits for its answer)")
+    p.add_argument("--rate", type=float, default=10.0, help="requests per second over all clients; 0: as fast as "
+                   "the answers come")
+    p.add_argument("--bad-every", type=int, default=10, metavar="N", help="every N-th request is bad on purpose "
+                   "(unknown adapter, prompt over the context, malformed JSON, in turn); 0: none")
+    p.add_argument("--agents", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--model", default=None, help="model folder; default: the tiny model in ./models/tiny")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report (and every RSS sample) here")
+    p.add_argument("--workdir", default=None, help="keep the stack's logs here; default: a temporary folder, removed")

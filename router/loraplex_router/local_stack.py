@@ -8,6 +8,7 @@
 
 The -f folder holds AdapterPool / LoRADeployment YAML (the files `kubectl apply -f` takes). It is
 watched: a new, changed or deleted file is applied within a second, without restarting anything.
+The AdapterPool's `spec.routing` reaches the router through the routing table, as on Kubernetes.
 If the store loses its state (Redis restarted), the manifests are applied again at the next tick.
 """
 
@@ -32,10 +33,12 @@ from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.max_replicas import MaxReplicasPolicy
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
+from loraplex.routing.choice import RoutingChoice, pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
 from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment
+from loraplex_router.main import check_router_args
 from loraplex_router.manifests import (
     ManifestError,
     Manifests,
@@ -46,6 +49,8 @@ from loraplex_router.manifests import (
 from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
 
 log = logging.getLogger("loraplex.up")
+# Router flags the stack sets itself: it connects the router to its Redis and pool, and waits on its port.
+STACK_ROUTER_FLAGS = ("--redis-url", "--pool", "--port")
 DEFAULT_MODEL_DIR = Path("models/tiny")
 VLLM_STARTUP_FACTOR = 4  # vLLM servers take 30-90 s each to start on two cores, all at once
 
@@ -244,12 +249,21 @@ class LocalStack:
             return Manifests()
         manifests = read_folder(folder)
         self._fingerprint = folder_fingerprint(folder)
+        error = routing_error(pool_routing(manifests.pool.spec)) if manifests.pool else ""
+        if error:  # the router would refuse it: say so here, and keep the manifests applied before
+            raise ManifestError(f"{folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: routing: {error}")
         return manifests
 
     # ---- configuration ----------------------------------------------------------------------
 
     def _pool_spec(self) -> AdapterPool | None:
         return self.manifests.pool
+
+    def routing(self) -> RoutingChoice | None:
+        """The AdapterPool's spec.routing, which the routing table carries to the router; None: the
+        router's flags (--profile, --routing-option) decide."""
+        pool = self._pool_spec()
+        return pool_routing(pool.spec) if pool else None
 
     def _base_model(self) -> Path:
         if self.config.model is not None:
@@ -324,7 +338,8 @@ class LocalStack:
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
         return PlacementController(self.store, MaxReplicasPolicy(chosen, self.max_replicas), WallClock(), interval,
-                                   default_operating_points("cpu"), min_replicas=self.min_replicas)
+                                   default_operating_points("cpu"), min_replicas=self.min_replicas,
+                                   routing=self.routing)
 
     def min_replicas(self) -> dict[str, int]:
         """{adapter: replicas.min} of the applied deployments (the controller's floor)."""
@@ -358,24 +373,52 @@ def ensure_tiny_model(folder: Path, logs: Path) -> Path:
     return folder
 
 
+@contextmanager
+def running_stack(config: StackConfig) -> Iterator[LocalStack]:
+    """A started stack with its control loop in the background (benchmarks, tests), stopped at the end of
+    the block; an agent left stopped with SIGSTOP is continued first, or it would not take SIGTERM."""
+    stack = LocalStack(config).start()
+    try:
+        stack.start_background()
+        yield stack
+    finally:
+        for child in stack.agents.values():
+            if child.alive:
+                child.process.send_signal(signal.SIGCONT)
+        stack.stop()
+
+
+def router_args_from(args: argparse.Namespace) -> list[str]:
+    """The router's flags: the routing ones, then --router-arg verbatim (last: a later flag wins in
+    argparse). CommandError, before anything starts, for what `loraplex router` would refuse."""
+    router_args = ["--profile", args.profile]
+    if args.scorers:
+        router_args += ["--scorers", args.scorers]
+    if args.picker:
+        router_args += ["--picker", args.picker]
+    for option in args.routing_option:
+        router_args += ["--routing-option", option]
+    owned = [arg for arg in args.router_arg if arg.split("=", 1)[0] in STACK_ROUTER_FLAGS]
+    if owned:
+        raise CommandError(f"--router-arg={owned[0]}: `loraplex up` sets it itself; use its own "
+                           "--port, --pool or --redis-url")
+    router_args += args.router_arg
+    check_router_args(router_args)
+    return router_args
+
+
 def config_from_args(args: argparse.Namespace) -> StackConfig:
     if args.agents < 1:
         raise CommandError("--agents must be at least 1")
     manifests = Path(args.manifests) if args.manifests else None
     if manifests is not None and not manifests.is_dir():
         raise CommandError(f"-f {args.manifests}: not a folder")
-    router_args = ["--profile", args.profile]
-    if args.scorers:
-        router_args += ["--scorers", args.scorers]
-    if args.picker:
-        router_args += ["--picker", args.picker]
-    for option in getattr(args, "routing_option", None) or []:
-        router_args += ["--routing-option", option]
     return StackConfig(agents=args.agents, manifests=manifests, model=Path(args.model) if args.model else None,
                        pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
                        redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
                        placement_interval_s=args.placement_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-                       workdir=Path(args.workdir), agent_args=list(args.agent_arg), router_args=router_args,
+                       workdir=Path(args.workdir), agent_args=list(args.agent_arg),
+                       router_args=router_args_from(args),
                        backend=getattr(args, "backend", None), vllm_args=list(getattr(args, "vllm_arg", [])),
                        vllm_python=getattr(args, "vllm_python", None))
 

@@ -8,25 +8,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import NoReturn
 
 import uvicorn
 
 from loraplex.cli import CommandError
+from loraplex.routing.choice import RoutingChoice, build_profile
 from loraplex.routing.outliers import OutlierConfig
-from loraplex.routing.pipeline import make_profile, parse_weights
-from loraplex.routing.rank_aware import RankAwareConfig, parse_options
+from loraplex.routing.pipeline import Profile, parse_weights
+from loraplex.routing.rank_aware import parse_options
 from loraplex.spec.errors import LoraplexError
 from loraplex.startup import listen_socket, open_store
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing, load_keys
+from loraplex_router.cli import add_router_args
 
 
-def profile_from_args(args: argparse.Namespace):
+def profile_from_args(args: argparse.Namespace) -> Profile:
+    """The flags' profile; the routing table's choice replaces it while the table names one."""
     try:
         scorers = parse_weights(args.scorers) if args.scorers else None
-        options = getattr(args, "routing_option", None)
-        rank_aware = RankAwareConfig.from_options(parse_options(options)) if options else None
-        return make_profile(args.profile, scorers=scorers, picker=args.picker, rank_aware=rank_aware)
+        choice = RoutingChoice(args.profile, parse_options(getattr(args, "routing_option", None) or []))
+        return build_profile(choice, scorers=scorers, picker=args.picker)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
 
@@ -42,10 +45,26 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
         raise CommandError("--max-request-bytes must be at least 1")
     if not args.ttfb_deadline >= 0:
         raise CommandError("--ttfb-deadline must be >= 0 (0: no deadline)")
-    return RouterSettings(profile=profile_from_args(args), keys=keys, base_model=args.base_model,
-                          poll_interval_s=args.poll_interval, connect_timeout_s=args.connect_timeout,
+    return RouterSettings(profile=profile_from_args(args), profile_name=args.profile, keys=keys,
+                          base_model=args.base_model, poll_interval_s=args.poll_interval,
+                          connect_timeout_s=args.connect_timeout,
                           max_attempts=args.max_attempts, max_request_bytes=args.max_request_bytes,
                           ttfb_deadline_s=args.ttfb_deadline, outliers=outliers_from_args(args))
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """Raises CommandError where argparse would print the usage and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandError(f"router arguments: {message}")
+
+
+def check_router_args(argv: list[str]) -> None:
+    """Raises CommandError (one line) for arguments `loraplex router` would refuse, so that `loraplex up`
+    refuses them before it starts anything."""
+    parser = _RefusingParser(prog="loraplex router")
+    add_router_args(parser)
+    settings_from_args(parser.parse_args(argv))
 
 
 def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:

@@ -3,7 +3,7 @@ apps in one process never collide)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -36,6 +36,8 @@ class RouterMetrics:
         self.store_errors = Counter("loraplex_router_store_errors", "Failed reads or writes to the store",
                                     registry=r)
         self.servers = Gauge("loraplex_router_servers", "Live servers in the snapshot", registry=r)
+        self.routing_profile = Info("loraplex_router_routing_profile", "The routing profile in use, and where "
+                                    "it comes from (table: the pool's spec.routing; flags: --profile)", registry=r)
         self._outliers(r)
 
     def _outliers(self, r: CollectorRegistry) -> None:

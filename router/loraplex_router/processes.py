@@ -1,4 +1,5 @@
-"""Child processes of the local stack: started with their output in a log file, stopped politely."""
+"""Child processes of the local stack: started with their output in a log file, stopped politely; the
+free ports they are given."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -62,27 +63,60 @@ class Child:
 
 def wait_http(url: str, child: Child, timeout_s: float) -> None:
     """Until GET url answers 200; fails early, with the child's log, if the child exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not child.alive:
-            raise RuntimeError(f"{child.name} exited while starting:\n{child.tail()}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{child.name} did not answer {url} within {timeout_s:.0f} s:\n{child.tail()}")
+    _wait_for(lambda: _answers(url), child, timeout_s, 0.2, f"answer {url}")
 
 
 def wait_port(port: int, child: Child, timeout_s: float) -> None:
+    """Until something listens on 127.0.0.1:port; fails early, with the child's log, if the child exits."""
+    _wait_for(lambda: _listens(port), child, timeout_s, 0.05, f"listen on port {port}")
+
+
+def _wait_for(ready: Callable[[], bool], child: Child, timeout_s: float, interval_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not child.alive:
             raise RuntimeError(f"{child.name} exited while starting:\n{child.tail()}")
+        if ready():
+            return
+        time.sleep(interval_s)
+    raise RuntimeError(f"{child.name} did not {what} within {timeout_s:.0f} s:\n{child.tail()}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _listens(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(count: int) -> int:
+    """The first of `count` consecutive ports that are free now (the agents of a stack listen on a block)."""
+    for _ in range(100):
+        first = free_port()
+        if first + count < 65000 and all(_is_free(first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no block of {count} free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
+            s.bind(("127.0.0.1", port))
         except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{child.name} did not listen on port {port} within {timeout_s:.0f} s")
+            return False
+    return True

@@ -8,7 +8,11 @@ through, the answer is committed to that server. An attempt fails before its fir
 - it is *given up* (abandoned there: the server sees the client go away), which happens when a
   streamed request got no first chunk within the time-to-first-byte deadline, when the server was
   ejected meanwhile, when the server's heartbeat is late and the attempt has waited as long (the
-  process has stopped: it neither answers nor heartbeats), or when the server left the registry. A
+  process has stopped: it neither answers nor heartbeats), when the server left the registry (an
+  agent whose engine stalls leaves it), or when a non-streamed request has waited past the deadline
+  and the server's `/health` does not answer 200 within `probe_timeout_s` (a non-streamed answer's
+  first byte comes only at its end, so the deadline alone cannot tell a long generation from a hung
+  server; the probe can, and is repeated every deadline while the request waits). A
   request's last allowed attempt is never given up, nor one with no other server left to try:
   waiting beats failing.
 
@@ -43,6 +47,7 @@ SERVER_HEADER = "x-loraplex-server"
 ADAPTER_HEADER = "x-loraplex-adapter"
 _USAGE_OPTION = b'{"stream_options":{"include_usage":true},'  # opens the object it is spliced into
 CHECK_INTERVAL_S = 0.25  # how often an attempt waiting for its first byte looks at its server
+PROBE_TIMEOUT_S = 2.0  # a live server answers /health at once, however busy its engine is
 DROP_WAIT_S = 2.0  # how long attempts given up on a silent server wait for its drop before retrying
 
 log = logging.getLogger("loraplex.router")
@@ -58,6 +63,7 @@ class ProxyConfig:
     ttfb_deadline_s: float = 10.0  # for a streamed request's first chunk (at least: see TtfbDeadline); 0: none
     outliers: OutlierConfig = field(default_factory=OutlierConfig)
     check_interval_s: float = CHECK_INTERVAL_S
+    probe_timeout_s: float = PROBE_TIMEOUT_S
 
 
 @dataclass
@@ -77,6 +83,7 @@ class _Attempt:
     stream: bool
     started: float = field(default_factory=time.monotonic)
     silence_reported: bool = False
+    probes: int = 0       # liveness probes of a non-streamed attempt so far (one per deadline waited)
 
 
 @dataclass
@@ -217,6 +224,8 @@ class Proxy:
                 if done:
                     return task.result()
                 reason = self._give_up_reason(attempt)
+                if reason is None and self._probe_due(attempt):
+                    reason = await self._probe(attempt)
                 if reason is not None:
                     await self._dropped(attempt.server)
                     return await self._abandon(task, attempt.server, reason)
@@ -235,8 +244,8 @@ class Proxy:
         """Why to give the attempt up now, or None to go on waiting."""
         view = self.view()
         ejected = self.detector.ejected(view.servers)
-        if all(s in attempt.tried or s in ejected for s in view.servers):
-            return None  # nowhere else to go
+        if self._nowhere_else(view, attempt, ejected):
+            return None
         server, waited = attempt.server, time.monotonic() - attempt.started
         if server not in view.servers:
             return "gone"
@@ -246,6 +255,36 @@ class Proxy:
             self._failed(server, Failure.DEADLINE)
             return "deadline"
         return "silent" if self._silent(view, attempt, waited) else None
+
+    @staticmethod
+    def _nowhere_else(view: Snapshot, attempt: _Attempt, ejected: frozenset[str]) -> bool:
+        return all(s in attempt.tried or s in ejected for s in view.servers)
+
+    def _probe_due(self, attempt: _Attempt) -> bool:
+        """A non-streamed attempt is probed once for every deadline it has waited, while another
+        server could take it."""
+        if attempt.stream or attempt.last:
+            return False
+        if time.monotonic() - attempt.started < (attempt.probes + 1) * self.deadline.current():
+            return False
+        view = self.view()
+        return not self._nowhere_else(view, attempt, self.detector.ejected(view.servers))
+
+    async def _probe(self, attempt: _Attempt) -> str | None:
+        """'unresponsive' (the failure counted) when the server's /health does not answer 200 in time."""
+        attempt.probes += 1
+        server = self.view().servers.get(attempt.server)
+        if server is None:
+            return None  # left the registry meanwhile: the next check gives the attempt up as gone
+        try:
+            response = await self.client.get(server.url.rstrip("/") + "/health",
+                                             timeout=self.config.probe_timeout_s)
+            if response.status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        self._failed(attempt.server, Failure.UNRESPONSIVE)
+        return "unresponsive"
 
     def _silent(self, view: Snapshot, attempt: _Attempt, waited: float) -> bool:
         """True when the server neither answered nor heartbeat for as long as its heartbeat may be late

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
+from loraplex.routing.table import RoutingTable
 from loraplex_router.demand import DemandCounter
 from loraplex_router.metrics import RouterMetrics
 from loraplex_router.snapshot import BATCH_MAX_AGE_S, Snapshot, track_heartbeats
@@ -31,8 +32,10 @@ class TableCache:
     def __init__(self, store: RoutingStore, metrics: RouterMetrics, demand: DemandCounter,
                  base_model: str | None = None, poll_interval_s: float = 1.0,
                  adapters_every_s: float = 5.0, clock: Callable[[], float] = time.time,
-                 batch_max_age_s: float = BATCH_MAX_AGE_S) -> None:
-        """`batch_max_age_s`: servers' live batches from heartbeats older than this are not used."""
+                 batch_max_age_s: float = BATCH_MAX_AGE_S,
+                 on_table: Callable[[RoutingTable | None], None] | None = None) -> None:
+        """`batch_max_age_s`: servers' live batches from heartbeats older than this are not used.
+        `on_table` is given the snapshot's table after every read (the router's profile follows it)."""
         self.store = store
         self.metrics = metrics
         self.demand = demand
@@ -41,6 +44,7 @@ class TableCache:
         self.adapters_every_s = adapters_every_s
         self.clock = clock
         self.batch_max_age_s = batch_max_age_s
+        self.on_table = on_table
         self.snapshot = Snapshot(None, {}, {}, base_model, taken_at=0.0, batch_max_age_s=batch_max_age_s,
                                  poll_interval_s=poll_interval_s)
         self._wake = threading.Event()
@@ -70,6 +74,8 @@ class TableCache:
             return False
         self.metrics.table_version.set(self.snapshot.version)
         self.metrics.servers.set(len(self.snapshot.servers))
+        if self.on_table is not None:
+            self.on_table(self.snapshot.table)
         return True
 
     def drop_server(self, server_id: str, heartbeat_at: float, tries: int = 3) -> bool:

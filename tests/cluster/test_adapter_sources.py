@@ -8,7 +8,9 @@ import argparse
 import asyncio
 import io
 import shutil
+import socket
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -170,6 +172,20 @@ def test_a_peer_with_other_weights_is_skipped_for_the_source(adapter, peer, tmp_
     fetcher = AdapterFetcher(tmp_path / "store", HTTP)
     path = asyncio.run(fetcher.fetch(_record(adapter, f"file://{adapter}"), [peer.url]))
     assert adapter_digest(path) == adapter_digest(adapter)
+
+
+def test_a_peer_that_never_answers_is_passed_over_for_the_source(adapter, tmp_path):
+    """A stopped peer: the kernel accepts the connection, nothing ever answers."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        policy = SourcePolicy(HTTP.allowed_schemes, peer_timeout_s=0.5)
+        fetcher = AdapterFetcher(tmp_path / "store", policy)
+        start = time.monotonic()
+        path = asyncio.run(fetcher.fetch(_record(adapter, f"file://{adapter}"),
+                                         [f"http://127.0.0.1:{silent.getsockname()[1]}"]))
+    assert adapter_digest(path) == adapter_digest(adapter)
+    assert time.monotonic() - start < 10.0  # the peer timeout, not the source's 60 s
 
 
 def test_a_source_with_the_wrong_digest_is_refused(adapter, tmp_path):

@@ -12,12 +12,16 @@ agents stop asking it for adapter copies). Its first heartbeat after SIGCONT reg
 from __future__ import annotations
 
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import pytest
+from loraplex_router.closed_loop import ClosedLoop
+from loraplex_router.local_stack import StackConfig, running_stack
+from loraplex_router.processes import free_port_block
+from stack_manifests import deployment_yaml, pool_yaml
+from waiting import wait_until
 
 POOL = "hung"
 ADAPTERS = [f"hung{i}" for i in range(4)]
@@ -27,54 +31,17 @@ DEADLINE_S = 10.0
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port):
-    from loraplex_router.local_stack import LocalStack, StackConfig
-
     folder = tmp_path_factory.mktemp("manifests")
-    (folder / "pool.yaml").write_text(
-        "apiVersion: loraplex.io/v1alpha1\nkind: AdapterPool\nmetadata: {name: hung}\nspec:\n"
-        f"  baseModel: {{name: tiny-llama, source: \"file://{tiny_model.base_dir}\", dtype: float32}}\n"
-        "  engine: {maxLoraRank: 64, maxLoras: 4, maxNumSeqs: 8, maxModelLen: 256}\n"
-        "  placement: {policy: loraserve, intervalSeconds: 30}\n")
+    (folder / "pool.yaml").write_text(pool_yaml(POOL, tiny_model.base_dir))
     sources = list(tiny_model.adapters.values())
     for i, name in enumerate(ADAPTERS):  # on every agent: no request waits for a copy from the stopped one
-        (folder / f"{name}.yaml").write_text(
-            f"apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {{name: {name}}}\n"
-            f"spec:\n  pool: {POOL}\n  adapter: {{source: \"file://{sources[i]}\"}}\n  replicas: {{min: 3}}\n")
-    config = StackConfig(agents=3, manifests=folder, router_port=free_port(), agent_base_port=_free_ports(3),
+        (folder / f"{name}.yaml").write_text(deployment_yaml(name, sources[i], POOL, replicas="{min: 3}"))
+    config = StackConfig(agents=3, manifests=folder, router_port=free_port(), agent_base_port=free_port_block(3),
                          redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=30.0,
                          workdir=tmp_path_factory.mktemp("stack"), agent_args=["--num-blocks", "256"],
                          router_args=["--ttfb-deadline", str(DEADLINE_S)])
-    stack = LocalStack(config).start()
-    stack.start_background()
-    yield stack
-    for child in stack.agents.values():
-        if child.alive:
-            child.process.send_signal(signal.SIGCONT)
-    stack.stop()
-
-
-def _free_ports(count: int) -> int:
-    """The first of `count` consecutive ports that are free now."""
-    import socket
-
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + count < 65000 and all(_free(first + i) for i in range(count)):
-            return first
-    raise RuntimeError("no block of free ports")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    with running_stack(config) as stack:  # continues the agent if the test left it stopped
+        yield stack
 
 
 @dataclass
@@ -85,43 +52,25 @@ class Done:
     stream: bool
 
 
-@dataclass
-class Load:
+class Load(ClosedLoop):
     """Clients sending requests through the router until stopped: streamed and not, adapters and base."""
 
-    url: str
-    workers: int = 4
-    done: list[Done] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __enter__(self) -> Load:
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.workers)]
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
+    def __init__(self, url: str, clients: int = 4) -> None:
+        super().__init__(clients)
+        self.url = url
+        self.done: list[Done] = []
+        self.failures: list[str] = []
 
     def served_by(self, server: str, since: float) -> bool:
-        with self._lock:
+        with self.lock:
             return any(d.server == server and d.at >= since for d in self.done)
 
-    def _run(self, worker: int) -> None:
-        models = [*ADAPTERS, "tiny-llama"]
-        with httpx.Client(base_url=self.url, timeout=60) as http:
-            i = worker
-            while not self._stop.is_set():
-                body = {"model": models[i % len(models)], "prompt": "def add(a, b):", "max_tokens": 3,
-                        "stream": i % 2 == 0}
-                i += self.workers
-                self._one(http, body)
+    def session(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60)
 
-    def _one(self, http: httpx.Client, body: dict) -> None:
+    def send(self, http: httpx.Client, i: int) -> None:
+        models = [*ADAPTERS, "tiny-llama"]
+        body = {"model": models[i % len(models)], "prompt": "def add(a, b):", "max_tokens": 3, "stream": i % 2 == 0}
         start = time.monotonic()
         try:
             with http.stream("POST", "/v1/completions", json=body) as r:
@@ -130,19 +79,11 @@ class Load:
                 outcome = None if ok else f"{r.status_code} {r.content[:200]!r}"
         except httpx.HTTPError as exc:
             outcome = repr(exc)
-        with self._lock:
+        with self.lock:
             if outcome is None:
                 self.done.append(Done(start, time.monotonic() - start, r.headers["x-loraplex-server"], body["stream"]))
             else:
                 self.failures.append(outcome)
-
-
-def wait_until(condition, timeout_s: float = 60.0) -> None:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(0.1)
 
 
 def metric(stack, name: str, **labels: str) -> float:

@@ -5,47 +5,17 @@ The tests share one stack and run in file order; the last one kills an agent."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
-import openai
+from openai_load import OpenAILoad, client, complete, stream_chat
+from waiting import wait_until
 
 from loraplex.routing.table import RoutingTable, make_entry
 
 ADAPTERS = [f"ad{i:02d}" for i in range(20)]
-
-
-def wait_until(condition, timeout_s: float = 60.0, interval_s: float = 0.1) -> float:
-    """Seconds it took; fails if `condition()` is not true within the (generous) bound."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)
-    return time.monotonic() - start
-
-
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.router_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def complete(c: openai.OpenAI, model: str) -> str:
-    return c.completions.create(model=model, prompt="def add(a, b):", max_tokens=3, temperature=0).choices[0].text
-
-
-def stream_chat(c: openai.OpenAI, model: str, started: list[bool] | None = None) -> str:
-    chunks = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                       max_tokens=3, stream=True)
-    text = ""
-    for chunk in chunks:
-        if started is not None:
-            started[0] = True
-        text += chunk.choices[0].delta.content or ""
-    return text
 
 
 def test_twenty_adapters_over_three_agents(stack):
@@ -112,49 +82,9 @@ def test_a_new_deployment_file_becomes_routable(stack, write_deployment):
     assert stream_chat(c, "late-arrival")
 
 
-@dataclass
-class Load:
-    """Clients sending requests through the router until stopped; every outcome is recorded."""
-
-    stack: object
-    workers: int = 4
-    ok: int = 0
-    failures: list[tuple[str, bool, str]] = field(default_factory=list)  # (adapter, had started, error)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __enter__(self) -> Load:
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.workers)]
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-
-    def _run(self, worker: int) -> None:
-        c = client(self.stack)
-        i = worker
-        while not self._stop.is_set():
-            adapter, streaming, started = ADAPTERS[i % len(ADAPTERS)], i % 2 == 0, [False]
-            i += self.workers
-            try:
-                if streaming:
-                    stream_chat(c, adapter, started)
-                else:
-                    complete(c, adapter)
-                with self._lock:
-                    self.ok += 1
-            except openai.OpenAIError as exc:
-                with self._lock:
-                    self.failures.append((adapter, started[0], repr(exc)))
-
-
 def test_a_redis_restart_fails_no_request(stack):
     version = stack.store.current_version()
-    with Load(stack) as load:
+    with OpenAILoad(stack, ADAPTERS) as load:
         wait_until(lambda: load.ok >= 8)
         stack.redis.kill()
         done_before = load.ok
@@ -171,7 +101,7 @@ def test_a_redis_restart_fails_no_request(stack):
 def test_killing_an_agent_mid_load_loses_no_unstarted_request(stack):
     table = stack.store.read_table()
     victim = max(table.servers(), key=lambda s: len(table.assignments(s)))  # the busiest server
-    with Load(stack, workers=6) as load:
+    with OpenAILoad(stack, ADAPTERS, clients=6) as load:
         wait_until(lambda: load.ok >= 12)
         stack.agents[victim].kill()
         killed_at = time.monotonic()

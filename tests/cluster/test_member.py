@@ -3,6 +3,8 @@ record, prefetch of assigned adapters, eviction of unassigned ones, and never de
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import pytest
@@ -98,3 +100,22 @@ async def test_a_request_for_an_unassigned_adapter_loads_it_lazily(member):
     assert c in member.engine.adapters and ME in member.store.get_adapter(c).locations
     with pytest.raises(OverloadedError):
         await member.ensure("not-registered")
+
+
+async def test_a_stalled_engine_leaves_the_registry_until_its_step_ends(member):
+    """A hung device (here: a command blocking the engine thread) takes the agent out of the registry,
+    so the router sends its waiting requests elsewhere; it registers again once the step ends."""
+    engine = member.engine
+    engine.stall_timeout_s = 0.1
+    released = threading.Event()
+    engine._submit(lambda: released.wait(60))
+    await member._heartbeat()
+    while not engine.stalled:
+        await asyncio.sleep(0.02)
+    await member._heartbeat()
+    assert ME not in {s.id for s in member.store.healthy_servers()}
+    released.set()
+    while engine.stalled_for() > 0:
+        await asyncio.sleep(0.02)
+    await member._heartbeat()
+    assert ME in {s.id for s in member.store.healthy_servers()}

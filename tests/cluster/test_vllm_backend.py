@@ -16,13 +16,18 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 
 import httpx
 import openai
+import openai_load
 import pytest
+import waiting
 from addresses import outward_address
+from loraplex_router.local_stack import StackConfig, running_stack
+from loraplex_router.processes import free_port_block
+from openai_load import OpenAILoad, client
+from stack_manifests import deployment_yaml, pool_yaml
 from vllm_env import vllm_python
 
 POOL = "vtiny"
@@ -30,73 +35,34 @@ ADAPTERS = [f"va{i}" for i in range(8)]
 SLOTS = 6  # maxCpuLoras: the placement gives no server more adapters than this
 
 
-def pool_yaml(base: Path) -> str:
-    return ("apiVersion: loraplex.io/v1alpha1\nkind: AdapterPool\nmetadata: {name: vtiny}\nspec:\n"
-            f"  baseModel: {{name: tiny-llama, source: \"file://{base}\", dtype: float32}}\n"
-            f"  engine: {{backend: vllm, maxLoraRank: 64, maxLoras: 2, maxCpuLoras: {SLOTS}, maxNumSeqs: 8,\n"
-            "           maxModelLen: 256, vllm: {args: [--enforce-eager, --host=0.0.0.0]}}\n"
-            "  placement: {policy: loraserve, intervalSeconds: 30}\n")
-
-
-def deployment_yaml(name: str, source: Path, replicas: str = "") -> str:
-    return (f"apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {{name: {name}}}\n"
-            f"spec:\n  pool: {POOL}\n  adapter: {{source: \"file://{source}\"}}\n"
-            + (f"  replicas: {replicas}\n" if replicas else ""))
+VLLM_ENGINE = (f"{{backend: vllm, maxLoraRank: 64, maxLoras: 2, maxCpuLoras: {SLOTS}, maxNumSeqs: 8, "
+               "maxModelLen: 256, vllm: {args: [--enforce-eager, --host=0.0.0.0]}}")
+complete = partial(openai_load.complete, max_tokens=4)
+stream_chat = partial(openai_load.stream_chat, max_tokens=4, temperature=0)
+wait_until = partial(waiting.wait_until, timeout_s=90.0, interval_s=0.2)  # vLLM is slower than the tiny engine
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model, tmp_path_factory, free_port, port_block) -> Iterator:
-    from loraplex_router.local_stack import LocalStack, StackConfig
-
+def stack(tiny_model, tmp_path_factory, free_port) -> Iterator:
     python = vllm_python()
     folder = tmp_path_factory.mktemp("vllm-manifests")
-    (folder / "pool.yaml").write_text(pool_yaml(tiny_model.base_dir))
+    (folder / "pool.yaml").write_text(pool_yaml(POOL, tiny_model.base_dir, engine=VLLM_ENGINE))
     sources = list(tiny_model.adapters.values())
     for i, name in enumerate(ADAPTERS):
         replicas = "{min: 2}" if i == 0 else ""  # va0 on both servers
-        (folder / f"{name}.yaml").write_text(deployment_yaml(name, sources[i % len(sources)], replicas))
-    config = StackConfig(agents=2, manifests=folder, router_port=free_port(), agent_base_port=port_block(4),
+        (folder / f"{name}.yaml").write_text(deployment_yaml(name, sources[i % len(sources)], POOL, replicas))
+    config = StackConfig(agents=2, manifests=folder, router_port=free_port(), agent_base_port=free_port_block(4),
                          redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=3.0,
                          workdir=tmp_path_factory.mktemp("vllm-stack"), backend="vllm", vllm_python=python)
     started = time.monotonic()
-    stack = LocalStack(config).start()
-    print(f"\nthe stack with two vLLM servers was up in {time.monotonic() - started:.0f} s")
-    stack.start_background()
-    yield stack
-    stack.stop()
-
-
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.router_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def complete(c: openai.OpenAI, model: str) -> str:
-    return c.completions.create(model=model, prompt="def add(a, b):", max_tokens=4, temperature=0).choices[0].text
-
-
-def stream_chat(c: openai.OpenAI, model: str, started: list[bool] | None = None) -> str:
-    text = ""
-    for chunk in c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
-                                           max_tokens=4, temperature=0, stream=True):
-        if started is not None:
-            started[0] = True
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-    return text
+    with running_stack(config) as stack:
+        print(f"\nthe stack with two vLLM servers was up in {time.monotonic() - started:.0f} s")
+        yield stack
 
 
 def stream_completion(c: openai.OpenAI, model: str) -> str:
     return "".join(chunk.choices[0].text for chunk in c.completions.create(
         model=model, prompt="import os", max_tokens=4, temperature=0, stream=True) if chunk.choices)
-
-
-def wait_until(condition, timeout_s: float = 90.0, interval_s: float = 0.2) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        time.sleep(interval_s)
-    return time.monotonic() - start
 
 
 def test_two_vllm_servers_serve_every_adapter_through_the_router(stack):
@@ -183,56 +149,17 @@ def test_a_base_model_request_alone(stack):
 def test_a_new_deployment_becomes_routable(stack, tiny_model):
     c = client(stack)
     source = list(tiny_model.adapters.values())[3]
-    (stack.config.manifests / "late.yaml").write_text(deployment_yaml("late-arrival", source))
+    (stack.config.manifests / "late.yaml").write_text(deployment_yaml("late-arrival", source, POOL))
     wait_until(lambda: "late-arrival" in {m.id for m in c.models.list()})
     assert complete(c, "late-arrival")
     assert stream_chat(c, "late-arrival")
-
-
-@dataclass
-class Load:
-    """Clients sending adapter requests through the router until stopped; every outcome is recorded."""
-
-    stack: object
-    workers: int = 4
-    ok: int = 0
-    failures: list[tuple[str, bool, str]] = field(default_factory=list)  # (adapter, had started, error)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __enter__(self) -> Load:
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(self.workers)]
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join()
-
-    def _run(self, worker: int) -> None:
-        c, i = client(self.stack), worker
-        while not self._stop.is_set():
-            adapter, started = ADAPTERS[i % len(ADAPTERS)], [False]
-            try:
-                if i % 2:
-                    complete(c, adapter)
-                else:
-                    stream_chat(c, adapter, started)
-                with self._lock:
-                    self.ok += 1
-            except openai.OpenAIError as exc:
-                with self._lock:
-                    self.failures.append((adapter, started[0], repr(exc)))
-            i += self.workers
 
 
 def test_killing_a_vllm_server_loses_no_unstarted_request(stack):
     table = stack.store.read_table()
     victim = max(table.servers(), key=lambda s: len(table.assignments(s)))
     pid = httpx.get(stack.agent_url(victim) + "/health").json()["vllm_pid"]
-    with Load(stack) as load:
+    with OpenAILoad(stack, ADAPTERS, complete=complete, stream_chat=stream_chat) as load:
         wait_until(lambda: load.ok >= 8)
         os.killpg(pid, signal.SIGKILL)  # the vLLM server and its engine core, abruptly
         killed_at = time.monotonic()

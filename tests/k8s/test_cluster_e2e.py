@@ -309,6 +309,32 @@ def test_deleting_the_namespace_completes(namespace: str, operator: Operator, ag
     kubectl("delete", "namespace", namespace, "--timeout=120s")
 
 
+def test_a_pools_routing_reaches_its_table_and_a_bad_one_fails_the_pool(namespace: str, redis_url: str,
+                                                                         operator: Operator,
+                                                                         agents: Callable[..., Agents]) -> None:
+    from loraplex.routing.choice import RoutingChoice
+    from loraplex.routing.redis_store import RedisRoutingStore
+
+    unknown = kubectl("apply", "-f", "-", namespace=namespace, check=False,
+                      stdin=yaml.safe_dump(pool(routing={"profile": "fastest"})))
+    assert unknown.returncode != 0 and "fastest" in unknown.stderr, unknown.stderr  # the CRD's enum
+    chosen = {"profile": "rank-aware", "options": {"slo_tpot_s": "0.05"}}
+    apply(namespace, pool(routing=chosen), adapter("a"))
+    agents().pods_ready()
+    store = RedisRoutingStore.from_url(redis_url, "tiny")
+    published = RoutingChoice("rank-aware", {"slo_tpot_s": "0.05"})
+    _wait("the table naming the pool's routing", lambda: (t := store.read_table()) is not None
+          and t.routing == published)
+    apply(namespace, pool(routing={"profile": "rank-aware", "options": {"slo_tpot_s": "fast"}}))
+    ready = _wait("Failed/InvalidRouting", lambda: next(
+        (c for c in status(namespace, "adapterpools", "tiny").get("conditions", [])
+         if c["type"] == "Ready" and c["reason"] == "InvalidRouting"), None))
+    assert "slo_tpot_s='fast' is not a number" in ready["message"]
+    assert status(namespace, "adapterpools", "tiny")["phase"] == "Failed"
+    assert store.read_table().routing == published  # the routers keep the last good choice
+    store.close()
+
+
 def test_helm_install_upgrade_and_uninstall_keep_what_users_made(namespace: str) -> None:
     """The chart with Helm's own library (helm-python-sdk): install takes over the CRDs (`kubectl
     apply` installed them for the other tests; Helm adopts objects labelled for its release, as a

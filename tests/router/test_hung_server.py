@@ -222,7 +222,7 @@ def test_a_stopped_server_that_still_heartbeats_is_left_after_the_deadline_then_
     env = make_env(consecutive=2, base_ejection_s=3.0)
     stopped(env)
     with ThreadPoolExecutor(1) as pool:
-        plain = stuck_on_agent(env, pool, stream=False)  # never cut by the deadline: it comes whole
+        plain = stuck_on_agent(env, pool, stream=False)  # its server's /health is probed past the deadline
         ejected = lambda: env.metric("loraplex_router_ejections_total", server="agent", reason="deadline") >= 1  # noqa: E731
         outcomes = bursts_until(env, ejected, streams=6) + [plain.result()]
     # Nothing lost, all served elsewhere. Without the deadline the streams sent to the agent would
@@ -231,10 +231,47 @@ def test_a_stopped_server_that_still_heartbeats_is_left_after_the_deadline_then_
     assert {o.server for o in outcomes} == {"echo"}
     assert max(o.seconds for o in outcomes) < 20.0, outcomes
     assert env.metric("loraplex_router_attempts_abandoned_total", server="agent", reason="deadline") >= 2
-    # The non-streamed request waiting there was released by the ejection.
-    assert env.metric("loraplex_router_attempts_abandoned_total", server="agent", reason="ejected") >= 1
+    # The non-streamed request waiting there was released by the ejection or by its failed probe.
+    released = sum(env.metric("loraplex_router_attempts_abandoned_total", server="agent", reason=reason)
+                   for reason in ("ejected", "unresponsive"))
+    assert released >= 1
     agent.send_signal(signal.SIGCONT)
     back_in_rotation(env)  # once its ejection time is up
+
+
+def test_a_non_streamed_request_on_a_stopped_server_is_sent_elsewhere_when_health_does_not_answer(
+        make_env, stopped, agent):
+    # Ejection only after many misses: the probe alone releases the request.
+    env = make_env(consecutive=10)
+    stopped(env)
+    with ThreadPoolExecutor(1) as pool:
+        plain = stuck_on_agent(env, pool, stream=False)
+        outcome = plain.result()
+    assert (outcome.status, outcome.server) == (200, "echo")
+    # One deadline (2 s), one probe (2 s at most) and the answer from the echo server.
+    assert outcome.seconds < DEADLINE_S + 2.0 + 3.0, outcome
+    assert env.metric("loraplex_router_attempts_abandoned_total", server="agent", reason="unresponsive") == 1
+    assert env.metric("loraplex_router_ejections_total", server="agent", reason="unresponsive") == 0
+
+
+def test_a_long_non_streamed_generation_on_a_live_server_is_not_cut(make_env, agent):
+    # The deadline is far below the generation's length; the agent answers its probes, so it keeps it.
+    env = make_env(ttfb_deadline_s=0.2, consecutive=1)
+    env.beating.discard("echo")
+    env.store.deregister_server("echo")
+    wait_for(lambda: set(env.snapshot().servers) == {"agent"})
+    env.beating.add("echo")  # back in the registry while the request waits: the probe decides
+    body = {"model": BASE, "prompt": "def add(a, b):", "max_tokens": 200, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        waiting = pool.submit(httpx.post, env.router.url + "/v1/completions", json=body, timeout=60)
+        wait_for(lambda: len(env.snapshot().servers) == 2)
+        response = waiting.result()
+        seconds = time.monotonic() - start
+    assert response.status_code == 200 and response.headers["x-loraplex-server"] == "agent"
+    assert response.json()["usage"]["completion_tokens"] == 200
+    assert seconds > 2 * 0.2, f"the generation ({seconds:.2f} s) did not outlast the deadline: nothing was probed"
+    assert env.metric("loraplex_router_attempts_abandoned_total", server="agent", reason="unresponsive") == 0
 
 
 def test_a_stopped_server_whose_heartbeat_stops_is_left_before_the_deadline_and_back_at_its_next_heartbeat(

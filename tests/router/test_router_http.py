@@ -140,6 +140,18 @@ def test_api_keys_restrict_adapters(make_router_env):
     assert [m.id for m in client_for(env, "sk-all").models.list()] == ["tiny-base", "a", "b", "c"]
 
 
+def test_unknown_model_names_add_no_metric_series(router_env):
+    """A client's free text never becomes a label: random names would grow the router's memory and
+    the monitoring's series without bound."""
+    client = client_for(router_env)
+    for i in range(20):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=f"no-such-model-{i}", prompt="x", max_tokens=1)
+    text = httpx.get(router_env.router.url + "/metrics").text
+    assert "no-such-model" not in text
+    assert 'loraplex_router_requests_total{code="404",model=""} 20.0' in text
+
+
 def test_models_lists_base_and_every_adapter_with_parent(router_env):
     cards = client_for(router_env).models.list().data
     assert [c.id for c in cards] == ["tiny-base", "a", "b", "c"]

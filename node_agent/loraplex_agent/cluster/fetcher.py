@@ -95,7 +95,7 @@ class AdapterFetcher:
     def _from_peer(self, peer: str, record: AdapterRecord, dest: Path) -> None:
         url = f"{peer.rstrip('/')}/v1/adapters/{quote(record.name, safe='')}/files"
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        with httpx.stream("GET", url, headers=headers, timeout=self.policy.timeout_s) as response:
+        with httpx.stream("GET", url, headers=headers, timeout=self.policy.peer_timeout_s) as response:
             if response.status_code != 200:
                 raise AdapterError(f"peer answered {response.status_code}")
             if response.headers.get(DIGEST_HEADER) != record.digest:

@@ -98,7 +98,8 @@ class ClusterMember:
             elif self._registered:
                 await asyncio.to_thread(self.store.deregister_server, self.settings.server_id)
                 self._registered = False
-                log.warning("the engine is down: left the registry until it is back")
+                log.warning("the engine cannot serve (%s): left the registry until it can",
+                            getattr(self.engine, "error", None) or "stalled")
         except StoreUnavailableError as exc:
             log.warning("heartbeat failed: %s", exc)
 

@@ -39,6 +39,9 @@ class SourcePolicy:
     allowed_schemes: frozenset[str] = DEFAULT_SCHEMES
     max_bytes: int = DEFAULT_MAX_BYTES
     timeout_s: float = 60.0
+    # A peer is in the cluster and streams from its local disk: one that sends nothing for this long
+    # (stopped, overloaded) is passed over for the next peer or the source, not waited on for a minute.
+    peer_timeout_s: float = 5.0
 
 
 def fetch_source(uri: str, dest: Path, policy: SourcePolicy) -> None:

@@ -144,9 +144,21 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run the step's rows through the decoder; float32 logits [num_sampled, vocab]."""
+        return self.logits(self.hidden_states(batch, kv_caches), batch.sample_rows)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The last decoder layer's output for every row of the step [rows, hidden] (KV written)."""
         h = F.embedding(batch.input_ids, self.embed)
         rope = self.rope.tables(batch.positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer.forward(h, batch, rope, kv_cache)
-        h = rms_norm(h[batch.sample_rows], self.norm, self.config.rms_norm_eps)
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 next-token logits [len(rows), vocab] of the given rows of `hidden_states`. The
+        norm and the head work row by row, so other rows asked for separately (prompt logprobs)
+        leave the sampled rows' logits bit for bit as they are."""
+        h = rms_norm(hidden[rows], self.norm, self.config.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

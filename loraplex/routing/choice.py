@@ -1,0 +1,60 @@
+"""A routing choice: a profile by name and its options, the router's `--profile` and `--routing-option`.
+
+An AdapterPool may name one (`spec.routing`); the routing table then carries it to every router of
+the pool, and each router builds it with `build_profile`, the function that also builds the one its
+flags name. So a choice is checked the same way wherever it comes from: the operator and `loraplex
+up` build it once to refuse a bad one before it is published.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loraplex.routing.pipeline import Profile, make_profile
+from loraplex.routing.rank_aware import RankAwareConfig
+
+if TYPE_CHECKING:
+    from loraplex.spec.crd import AdapterPoolSpec
+
+
+@dataclass(frozen=True)
+class RoutingChoice:
+    """A profile of `loraplex.routing.pipeline.PROFILES` and its KEY=VALUE options (those of
+    `RankAwareConfig.from_options`)."""
+
+    profile: str
+    options: Mapping[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """'rank-aware (slo_tpot_s=0.05)': for logs and errors."""
+        options = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return f"{self.profile} ({options})" if options else self.profile
+
+
+def build_profile(choice: RoutingChoice, rng: random.Random | None = None, scorers: dict[str, float] | None = None,
+                  picker: str | None = None) -> Profile:
+    """The profile the choice names; `scorers` and `picker` override its own (the router's flags).
+    Raises ValueError on an unknown profile, option or value."""
+    rank_aware = RankAwareConfig.from_options(choice.options) if choice.options else None
+    return make_profile(choice.profile, rng, scorers=scorers, picker=picker, rank_aware=rank_aware)
+
+
+def pool_routing(spec: AdapterPoolSpec) -> RoutingChoice | None:
+    """The AdapterPool's `spec.routing`; None when it names none (each router's flags decide)."""
+    if spec.routing is None:
+        return None
+    return RoutingChoice(spec.routing.profile, dict(spec.routing.options))
+
+
+def routing_error(choice: RoutingChoice | None) -> str:
+    """Why the choice cannot be built ('' when it can, or when there is none)."""
+    if choice is None:
+        return ""
+    try:
+        build_profile(choice)
+    except ValueError as exc:
+        return str(exc)
+    return ""

@@ -1,0 +1,16 @@
+"""Waiting, in the end-to-end tests, for what a running system does in its own time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float = 60.0, interval_s: float = 0.1) -> float:
+    """Seconds it took; fails if `condition()` is not true within the (generous) bound."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        time.sleep(interval_s)
+    return time.monotonic() - start
