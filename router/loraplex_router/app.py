@@ -27,6 +27,8 @@ from loraplex_router.proxy import Forward, Proxy, ProxyConfig, prepare_body
 from loraplex_router.snapshot import Snapshot
 from loraplex_router.table_cache import TableCache
 
+UNKNOWN_MODEL = "(unknown)"  # the model label of requests refused before naming a served model
+
 
 @dataclass
 class RouterSettings:
@@ -76,7 +78,7 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
         return await _handle(request, "/v1/chat/completions")
 
     async def _handle(request: Request, path: str) -> Response:
-        label = ""  # the metrics' model label: a model the pool serves, never a client's free text
+        label = UNKNOWN_MODEL  # the metrics' model label: a model the pool serves, never a client's free text
         try:
             key = settings.keys.authenticate(request.headers.get("authorization"))
             raw = await _read_body(request, settings.max_request_bytes)

@@ -149,7 +149,7 @@ def test_unknown_model_names_add_no_metric_series(router_env):
             client.completions.create(model=f"no-such-model-{i}", prompt="x", max_tokens=1)
     text = httpx.get(router_env.router.url + "/metrics").text
     assert "no-such-model" not in text
-    assert 'loraplex_router_requests_total{code="404",model=""} 20.0' in text
+    assert 'loraplex_router_requests_total{code="404",model="(unknown)"} 20.0' in text
 
 
 def test_models_lists_base_and_every_adapter_with_parent(router_env):
