@@ -61,6 +61,10 @@ def test_routing_follows_phi_over_real_agents(stack):
         for adapter, weights in phi.items():
             entries[adapter] = make_entry(adapter, current.entries[adapter].digest, current.entries[adapter].rank,
                                           weights.items())
+        # ad19's LoRADeployment asks for replicas.min = 3: pinned to one server, the table is one the
+        # controller must replace once unpaused (hysteresis may otherwise keep the pinned φ as it is).
+        entries["ad19"] = make_entry("ad19", current.entries["ad19"].digest, current.entries["ad19"].rank,
+                                     [(s0, 1.0)])
         pinned = current.version + 1
         stack.store.publish_table(RoutingTable(pinned, time.time(), entries, policy="pinned-by-test"))
         wait_until(lambda: httpx.get(stack.router_url + "/health").json()["routing_version"] == pinned)
@@ -72,6 +76,7 @@ def test_routing_follows_phi_over_real_agents(stack):
     assert chi2 < 21.1, (seen, chi2)  # 3 degrees of freedom (2 + 1 + 0), p = 1e-4
     # Unpaused, the controller finds a table that is not its own and places again.
     wait_until(lambda: stack.store.current_version() > pinned)
+    assert len(stack.store.read_table().routes("ad19")) == 3
 
 
 def test_a_new_deployment_file_becomes_routable(stack, write_deployment):
