@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from loraplex_agent.cluster.fetcher import DIGEST_HEADER, AdapterFetcher
 from loraplex_agent.cluster.files import (
     ADAPTER_FILES,
@@ -186,6 +186,33 @@ def test_a_peer_that_never_answers_is_passed_over_for_the_source(adapter, tmp_pa
                                          [f"http://127.0.0.1:{silent.getsockname()[1]}"]))
     assert adapter_digest(path) == adapter_digest(adapter)
     assert time.monotonic() - start < 10.0  # the peer timeout, not the source's 60 s
+
+
+def test_a_peer_that_trickles_is_dropped_for_the_source(adapter, free_port, tmp_path):
+    """A peer that keeps the connection alive with a few bytes at a time never trips the read timeout;
+    the rate floor drops it once the grace period is over."""
+    app = FastAPI()
+
+    @app.get("/v1/adapters/{name:path}/files")
+    async def files(name: str) -> StreamingResponse:
+        data = b"".join(tar_chunks(adapter))
+
+        async def trickle():
+            for start in range(0, len(data), 64):
+                await asyncio.sleep(0.05)
+                yield data[start:start + 64]
+
+        return StreamingResponse(trickle(), media_type="application/x-tar",
+                                 headers={DIGEST_HEADER: adapter_digest(adapter)})
+
+    policy = SourcePolicy(HTTP.allowed_schemes, peer_timeout_s=0.5)
+    fetcher = AdapterFetcher(tmp_path / "store", policy)
+    with ThreadedServer(app, free_port()) as server:
+        start = time.monotonic()
+        path = asyncio.run(fetcher.fetch(_record(adapter, f"file://{adapter}"), [server.url]))
+        took = time.monotonic() - start
+    assert adapter_digest(path) == adapter_digest(adapter)
+    assert took < 10.0  # the grace period, not the whole trickle (minutes)
 
 
 def test_a_source_with_the_wrong_digest_is_refused(adapter, tmp_path):

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
@@ -101,15 +102,21 @@ class AdapterFetcher:
             if response.headers.get(DIGEST_HEADER) != record.digest:
                 raise AdapterError(f"peer holds digest {response.headers.get(DIGEST_HEADER)}, "
                                    f"not {record.digest}")
-            untar(_ResponseReader(response), dest, self.policy.max_bytes)
+            reader = _ResponseReader(response, self.policy.peer_timeout_s, self.policy.peer_min_bytes_per_s)
+            untar(reader, dest, self.policy.max_bytes)
 
 
 class _ResponseReader:
-    """A file-like view of a streaming response body (tarfile's stream mode reads from it)."""
+    """A file-like view of a streaming response body (tarfile's stream mode reads from it). Past
+    `grace_s`, a body arriving slower than `min_bytes_per_s` on average raises AdapterError."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: httpx.Response, grace_s: float, min_bytes_per_s: float) -> None:
         self._chunks = response.iter_raw()
         self._buffer = b""
+        self._grace_s = grace_s
+        self._min_bytes_per_s = min_bytes_per_s
+        self._started = time.monotonic()
+        self._received = 0
 
     def read(self, size: int = -1) -> bytes:
         while size < 0 or len(self._buffer) < size:
@@ -117,8 +124,16 @@ class _ResponseReader:
             if chunk is None:
                 break
             self._buffer += chunk
+            self._received += len(chunk)
+            self._check_rate()
         if size < 0:
             out, self._buffer = self._buffer, b""
         else:
             out, self._buffer = self._buffer[:size], self._buffer[size:]
         return out
+
+    def _check_rate(self) -> None:
+        elapsed = time.monotonic() - self._started
+        if elapsed > self._grace_s and self._received < self._min_bytes_per_s * elapsed:
+            raise AdapterError(f"peer sent {self._received} bytes in {elapsed:.1f} s, slower than "
+                               f"{self._min_bytes_per_s:.0f} bytes/s")

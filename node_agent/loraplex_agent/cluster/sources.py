@@ -42,6 +42,9 @@ class SourcePolicy:
     # A peer is in the cluster and streams from its local disk: one that sends nothing for this long
     # (stopped, overloaded) is passed over for the next peer or the source, not waited on for a minute.
     peer_timeout_s: float = 5.0
+    # A peer that keeps sending, but slowly (a saturated NIC, a dying disk), would hold the fetch for
+    # as long as it trickles: past the first `peer_timeout_s`, one averaging less than this is dropped.
+    peer_min_bytes_per_s: float = float(1 << 20)
 
 
 def fetch_source(uri: str, dest: Path, policy: SourcePolicy) -> None:
