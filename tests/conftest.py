@@ -19,20 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.ports import free_port as free_port_now
+
 REDIS_SERVER = "/usr/bin/redis-server"
 TINY_MODEL_ADAPTERS = 8
 TINY_MODEL_RANKS = (8, 16, 32, 64)
 
 
-def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def free_port() -> Callable[[], int]:
-    return find_free_port
+    return free_port_now
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +44,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not Path(REDIS_SERVER).exists():
         pytest.fail(f"{REDIS_SERVER} is not installed (apt-get install redis-server)")
     workdir = tmp_path_factory.mktemp("redis")
-    port = find_free_port()
+    port = free_port_now()
     process = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.cli import CommandError
+from loraplex.ports import free_port_block
 from loraplex.sim.loadgen import Endpoint, replay_http
 from loraplex.sim.metrics import Summary, summarize, trace_duration
 from loraplex.sim.results import write_results
@@ -178,7 +178,11 @@ def _run_backend(backend: str, trace: Trace, base: Path, folders: dict[str, Path
                  workdir: Path) -> BackendRun:
     folder = workdir / backend
     manifests = _write_manifests(folder / "manifests", backend, base, folders, args)
-    ports = _free_ports(3 + 2 * args.agents)
+    try:
+        first = free_port_block(3 + 2 * args.agents)
+    except RuntimeError as exc:
+        raise CommandError(str(exc)) from None
+    ports = list(range(first, first + 3 + 2 * args.agents))  # the agents' block consecutive (ports[2:])
     started = time.monotonic()
     with _Stack(backend, manifests, folder, ports, args) as stack:
         _warm_up(stack.url, sorted(folders), stack)
@@ -215,27 +219,6 @@ def _write_manifests(folder: Path, backend: str, base: Path, folders: dict[str, 
                "spec": {"pool": POOL, "adapter": {"source": f"file://{path}"}}}
         (folder / f"{name}.yaml").write_text(json.dumps(doc))
     return folder
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` ports free now, the agents' block consecutive (ports[2:])."""
-    for _ in range(200):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
-        block = list(range(first, first + count))
-        if block[-1] < 65000 and all(_port_free(p) for p in block):
-            return block
-    raise CommandError("no block of free ports on 127.0.0.1")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class _Stack:

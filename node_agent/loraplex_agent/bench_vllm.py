@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from loraplex.ports import free_port
 from loraplex_agent.bench_engine import PassResult, Workload
 
 STARTUP_TIMEOUT_S = 300.0  # imports alone take 25-40 s on two cores
@@ -38,17 +38,11 @@ def vllm_python() -> str | None:
     return python if check.returncode == 0 else None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class VllmRunner:
     name = "vllm"
 
     def __init__(self, python: str, model_dir: Path, adapters: dict[str, Path], args: argparse.Namespace) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         max_len = max(512, args.prompt_len + args.output_len)
         self.command = [

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cli import CommandError
+from loraplex.ports import free_port
 
 GROUP, VERSION = "loraplex.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -103,12 +104,6 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _parse_ts(text: str) -> float:
@@ -719,7 +714,7 @@ class Bench:
         server = shutil.which("redis-server")
         if server is None:
             raise CommandError("redis-server not found (scripts/setup.sh installs it), or pass --redis-url")
-        port = _free_port()
+        port = free_port()
         log = open(self.work / "redis.log", "wb")  # noqa: SIM115
         self.redis_proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                             "--appendonly", "no", "--dir", str(self.work)],
@@ -791,7 +786,7 @@ class Bench:
         if self.args.standalone:
             argv.append("--standalone")
         if liveness:
-            argv += ["--liveness", f"http://127.0.0.1:{_free_port()}/healthz"]
+            argv += ["--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
         self.results["operator"] = {"argv": argv, "code": paths, "standalone": self.args.standalone}
         _log(f"operator: {shlex.join(argv)}")
         _log(f"operator code loaded from: {', '.join(paths) or '(unknown: not a Python command?)'}")

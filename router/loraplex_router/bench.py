@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from loraplex.cli import CommandError
+from loraplex.ports import free_port_block
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.table import RoutingTable, make_entry
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> dict:
-    ports = _ports(3)
+    first = free_port_block(3)
+    ports = [first, first + 1, first + 2]
     redis_url = _start_redis(workdir, ports[0], children)
     upstream_url, model = _start_upstream(args, workdir, ports[1], redis_url, children)
     store = RedisRoutingStore.from_url(redis_url, POOL)
@@ -78,18 +80,6 @@ def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> di
             # uvicorn uses these when they are installed; they change the numbers a lot
             "uvloop": find_spec("uvloop") is not None, "httptools": find_spec("httptools") is not None,
             **latency, **throughput}
-
-
-def _ports(count: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _start_redis(workdir: Path, port: int, children: list[Child]) -> str:

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from loraplex.cli import CommandError
+from loraplex.ports import free_port, free_port_block
 from loraplex.spec.crd import API_VERSION
 from loraplex_router.closed_loop import ClosedLoop
 from loraplex_router.local_stack import (
@@ -46,7 +47,6 @@ from loraplex_router.local_stack import (
     ensure_tiny_model,
     running_stack,
 )
-from loraplex_router.processes import free_port, free_port_block
 
 SCENARIOS = ("stop", "kill", "redis")
 REDIS_DOWN_S = 5.0

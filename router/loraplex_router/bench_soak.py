@@ -25,9 +25,9 @@ from pathlib import Path
 from statistics import mean
 
 from loraplex.cli import CommandError
+from loraplex.ports import free_port, free_port_block
 from loraplex_router.bench_reliability import machine
 from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
-from loraplex_router.processes import free_port, free_port_block
 from loraplex_router.rss import RssSampler
 
 END_SAMPLES = 5  # the end's RSS: the mean of this many last samples

@@ -18,7 +18,8 @@ REPLICATED = "ad19"  # deployed with replicas.min = 3: on every agent
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port) -> Iterator:
     from loraplex_router.local_stack import StackConfig, running_stack
-    from loraplex_router.processes import free_port_block
+
+    from loraplex.ports import free_port_block
 
     folder = tmp_path_factory.mktemp("manifests")
     (folder / "pool.yaml").write_text(pool_yaml(POOL, tiny_model.base_dir,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,8 @@ import pytest
 import yaml
 from prometheus import Prometheus, Target, scrape_jobs
 from tools import require_module, require_tool
+
+from loraplex.ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
@@ -50,32 +51,15 @@ def _stack_manifests(folder: Path, tiny_model) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port) -> Iterator[Any]:
-    from loraplex_router.local_stack import LocalStack, StackConfig
+    from loraplex_router.local_stack import StackConfig, running_stack
 
     folder = tmp_path_factory.mktemp("dashboard-manifests")
     _stack_manifests(folder, tiny_model)
-    config = StackConfig(agents=2, manifests=folder, router_port=free_port(), agent_base_port=free_port_pair(),
+    config = StackConfig(agents=2, manifests=folder, router_port=free_port(), agent_base_port=free_port_block(2),
                          redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=3.0,
                          workdir=tmp_path_factory.mktemp("dashboard-stack"), agent_args=["--num-blocks", "200"])
-    stack = LocalStack(config).start()
-    stack.start_background()
-    yield stack
-    stack.stop()
-
-
-def free_port_pair() -> int:
-    """A first port such that it and the next one are free now (the stack's agents take consecutive ports)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", first + 1))
-            return first
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
+    with running_stack(config) as stack:
+        yield stack
 
 
 def _render_chart() -> list[dict[str, Any]]:

@@ -19,9 +19,10 @@ import httpx
 import pytest
 from loraplex_router.closed_loop import ClosedLoop
 from loraplex_router.local_stack import StackConfig, running_stack
-from loraplex_router.processes import free_port_block
 from stack_manifests import deployment_yaml, pool_yaml
 from waiting import wait_until
+
+from loraplex.ports import free_port_block
 
 POOL = "hung"
 ADAPTERS = [f"hung{i}" for i in range(4)]

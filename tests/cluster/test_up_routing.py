@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from loraplex_router.cli import add_router_args
-from loraplex_router.local_stack import LocalStack, StackConfig, config_from_args
+from loraplex_router.local_stack import LocalStack, StackConfig, config_from_args, running_stack
 from loraplex_router.manifests import ManifestError
 from waiting import wait_until
 
@@ -133,9 +133,7 @@ def test_up_runs_its_router_with_the_pools_routing_and_the_router_args(tiny_mode
     up = _up("--router-arg=--ttfb-deadline=30")
     config = StackConfig(agents=1, manifests=folder, router_port=free_port(), agent_base_port=free_port(),
                          redis_port=free_port(), workdir=tmp_path / "work", router_args=up.router_args)
-    stack = LocalStack(config).start()
-    try:
-        stack.start_background()
+    with running_stack(config) as stack:
         metrics = lambda: httpx.get(stack.router_url + "/metrics").text  # noqa: E731
         wait_until(lambda: 'routing_profile_info{profile="least-loaded",source="table"} 1.0' in metrics())
         assert "loraplex_router_ttfb_deadline_seconds 30.0" in metrics()
@@ -144,5 +142,3 @@ def test_up_runs_its_router_with_the_pools_routing_and_the_router_args(tiny_mode
         assert answer.status_code == 200, answer.text
         write_pool("  routing: {profile: rank-aware, options: {latency_profile: cpu-tiny}}\n")
         wait_until(lambda: 'routing_profile_info{profile="rank-aware",source="table"} 1.0' in metrics())
-    finally:
-        stack.stop()

@@ -25,10 +25,11 @@ import pytest
 import waiting
 from addresses import outward_address
 from loraplex_router.local_stack import StackConfig, running_stack
-from loraplex_router.processes import free_port_block
 from openai_load import OpenAILoad, client
 from stack_manifests import deployment_yaml, pool_yaml
 from vllm_env import vllm_python
+
+from loraplex.ports import free_port_block
 
 POOL = "vtiny"
 ADAPTERS = [f"va{i}" for i in range(8)]

@@ -19,7 +19,7 @@ ADAPTERS = ("fz0", "fz1")
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port) -> Iterator[Any]:
-    from loraplex_router.local_stack import LocalStack, StackConfig
+    from loraplex_router.local_stack import StackConfig, running_stack
 
     folder = tmp_path_factory.mktemp("fuzz-manifests")
     (folder / "pool.yaml").write_text(
@@ -33,10 +33,8 @@ def stack(tiny_model, tmp_path_factory, free_port) -> Iterator[Any]:
     config = StackConfig(agents=1, manifests=folder, router_port=free_port(), agent_base_port=free_port(),
                          redis_port=free_port(), heartbeat_interval_s=0.5, heartbeat_ttl_s=5.0,
                          workdir=tmp_path_factory.mktemp("fuzz-stack"), agent_args=["--num-blocks", "200"])
-    stack = LocalStack(config).start()
-    stack.start_background()
-    yield stack
-    stack.stop()
+    with running_stack(config) as stack:
+        yield stack
 
 
 def test_no_operation_answers_a_server_error(stack, tmp_path):
