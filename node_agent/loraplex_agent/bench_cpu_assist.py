@@ -97,6 +97,8 @@ def probe_pass(args: argparse.Namespace, base_dir: Path, adapters: dict[str, Pat
                   for i in range(args.background)]
     for request in background:
         llm.core.add_request(request)
+    while any(r.first_token_time is None for r in background):  # probes meet a batch already decoding
+        llm.core.step()
     cold, warm = [], []
     for index, name in enumerate(adapters):
         cold.append(probe(llm, name, args.prompt_len, seed=2 * index))
