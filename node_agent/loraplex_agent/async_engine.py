@@ -119,7 +119,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive() and not self.stalled
+        return self.health_problem() is None
 
     def stalled_for(self) -> float:
         """Seconds the engine thread has been in its current iteration; 0 between iterations."""

@@ -221,7 +221,8 @@ class TorchExecutor:
         graph when one fits, else eagerly. Also the prompt logprobs of the chunks that want them."""
         rows = StepRows.of(chunks, self.config.block_size)
         lora, assist = self._lora_batch(rows.row_slots)
-        if self.graphs is not None and not rows.prefills and assist is None and len(rows.sample_rows) == len(chunks):
+        if (self.graphs is not None and not rows.prefills and not rows.prompt_rows and assist is None
+                and len(rows.sample_rows) == len(chunks)):
             logits = self.graphs.run(rows.ids, rows.positions, rows.slots, [c.block_ids for c in chunks], lora)
             if logits is not None:
                 return logits, {}

@@ -3,7 +3,6 @@ record, prefetch of assigned adapters, eviction of unassigned ones, and never de
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -15,6 +14,7 @@ from loraplex_agent.cluster.member import ClusterMember
 from loraplex_agent.cluster.settings import ClusterSettings
 from loraplex_agent.cluster.sources import SourcePolicy
 from loraplex_agent.llm import LLM
+from waiting import wait_until
 
 from loraplex.engine.clock import MonotonicClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
@@ -110,12 +110,10 @@ async def test_a_stalled_engine_leaves_the_registry_until_its_step_ends(member):
     released = threading.Event()
     engine._submit(lambda: released.wait(60))
     await member._heartbeat()
-    while not engine.stalled:
-        await asyncio.sleep(0.02)
+    wait_until(lambda: engine.stalled)  # blocks the loop: nothing on it has to run meanwhile
     await member._heartbeat()
     assert ME not in {s.id for s in member.store.healthy_servers()}
     released.set()
-    while engine.stalled_for() > 0:
-        await asyncio.sleep(0.02)
+    wait_until(lambda: engine.stalled_for() == 0)
     await member._heartbeat()
     assert ME in {s.id for s in member.store.healthy_servers()}

@@ -99,7 +99,7 @@ class ClusterMember:
                 await asyncio.to_thread(self.store.deregister_server, self.settings.server_id)
                 self._registered = False
                 log.warning("the engine cannot serve (%s): left the registry until it can",
-                            getattr(self.engine, "error", None) or "stalled")
+                            getattr(self.engine, "health_problem", lambda: None)() or "unhealthy")
         except StoreUnavailableError as exc:
             log.warning("heartbeat failed: %s", exc)
 
