@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from loraplex.cli import CommandError
-from loraplex.ports import free_port, free_port_block
+from loraplex.ports import free_port_block
 from loraplex.spec.crd import API_VERSION
 from loraplex_router.closed_loop import ClosedLoop
 from loraplex_router.local_stack import (
@@ -142,9 +142,10 @@ def _scenario(args: argparse.Namespace, scenario: str) -> dict:
 def _in(args: argparse.Namespace, scenario: str, workdir: Path) -> dict:
     """The scenario on a stack whose logs and files go to `workdir`."""
     manifests = _manifests(args, workdir) if args.replicas else None
+    first = free_port_block(args.agents + 2)  # redis, router, then the agents
     config = StackConfig(agents=args.agents, model=Path(args.model) if args.model else None, manifests=manifests,
-                         router_port=free_port(), agent_base_port=free_port_block(args.agents),
-                         redis_port=free_port(), workdir=workdir, router_args=["--log-level", "warning"])
+                         router_port=first + 1, agent_base_port=first + 2,
+                         redis_port=first, workdir=workdir, router_args=["--log-level", "warning"])
     with running_stack(config) as stack:
         return _measure(args, scenario, stack)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from statistics import mean
 
 from loraplex.cli import CommandError
-from loraplex.ports import free_port, free_port_block
+from loraplex.ports import free_port_block
 from loraplex_router.bench_reliability import machine
 from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
 from loraplex_router.rss import RssSampler
@@ -69,9 +69,10 @@ def _workdir(kept: str | None) -> Iterator[Path]:
 
 def _soak(args: argparse.Namespace, workdir: Path) -> dict:
     traffic_class = _traffic_class()
+    first = free_port_block(args.agents + 2)  # redis, router, then the agents
     config = StackConfig(agents=args.agents, model=Path(args.model) if args.model else None,
-                         router_port=free_port(), agent_base_port=free_port_block(args.agents),
-                         redis_port=free_port(), workdir=workdir, router_args=["--log-level", "warning"])
+                         router_port=first + 1, agent_base_port=first + 2,
+                         redis_port=first, workdir=workdir, router_args=["--log-level", "warning"])
     with running_stack(config) as stack:
         models = [*sorted(stack.store.read_table().entries), stack.store.healthy_servers()[0].base_model]
         traffic = traffic_class(stack.router_url, models, args.clients, args.rate or None, args.max_tokens,

@@ -61,8 +61,9 @@ class _RefusingParser(argparse.ArgumentParser):
 
 def check_router_args(argv: list[str]) -> None:
     """Raises CommandError (one line) for arguments `loraplex router` would refuse, so that `loraplex up`
-    refuses them before it starts anything."""
-    parser = _RefusingParser(prog="loraplex router")
+    refuses them before it starts anything. No abbreviations and no -h: `--por=9000` must not slip past
+    the flags the stack owns, nor a help page end `loraplex up`."""
+    parser = _RefusingParser(prog="loraplex router", allow_abbrev=False, add_help=False)
     add_router_args(parser)
     settings_from_args(parser.parse_args(argv))
 

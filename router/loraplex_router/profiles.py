@@ -30,7 +30,7 @@ class ProfileSwitch:
         self.flags, self.flags_name, self.metrics = flags, flags_name, metrics
         self.profile = flags
         self.choice: RoutingChoice | None = None   # the table's choice in use; None: the flags'
-        self.refused: RoutingChoice | None = None  # the last choice that could not be built
+        self.refused: RoutingChoice | None = None  # the choice in the table that could not be built
         self.proxy: Proxy | None = None
         self._export()
 
@@ -57,7 +57,7 @@ class ProfileSwitch:
         self._use(profile, choice)
 
     def _use(self, profile: Profile, choice: RoutingChoice | None) -> None:
-        self.profile, self.choice = profile, choice
+        self.profile, self.choice, self.refused = profile, choice, None
         if self.proxy is not None:
             self.proxy.profile = profile  # one reference swap: a pick sees the old profile or the new one
         log.info("routing with profile %s (%s)", self._name(), "the routing table's" if choice else "the flags'")

@@ -57,6 +57,8 @@ def test_routing_flags_and_router_args_reach_the_router(tmp_path: Path) -> None:
     (["--routing-option", "slo=1"], "unknown rank-aware options ['slo']"),
     (["--profile", "fastest"], "unknown routing profile 'fastest'"),
     (["--router-arg=--port=9000"], "--router-arg=--port=9000: `loraplex up` sets it itself"),
+    (["--router-arg=--por=9000"], "router arguments: unrecognized arguments: --por=9000"),  # no abbreviations
+    (["--router-arg=-h"], "router arguments: unrecognized arguments: -h"),
 ])
 def test_bad_router_arguments_are_refused_before_anything_starts(argv: list[str], fragment: str) -> None:
     with pytest.raises(CommandError) as refused:

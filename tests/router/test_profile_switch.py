@@ -113,3 +113,7 @@ def test_a_choice_the_router_cannot_build_keeps_the_profile_in_use(router: Route
     _uses(router, "least-loaded", "table")
     router.publish(RoutingChoice("rank-aware", {"slo_tpot_s": "0.05"}))  # a good one is taken again
     _uses(router, "rank-aware", "table")
+    with caplog.at_level(logging.ERROR, logger="loraplex.router"):
+        router.publish(bad)  # refused before, then another one taken: tried (and logged) again
+        _wait(lambda: len([r for r in caplog.records if "cannot build" in r.getMessage()]) == 2)
+    _uses(router, "rank-aware", "table")
