@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loraplex.routing.pipeline import Profile, make_profile
+from loraplex.routing.pipeline import Profile, configured_by_options, make_profile
 from loraplex.routing.rank_aware import RankAwareConfig
 
 if TYPE_CHECKING:
@@ -37,9 +37,14 @@ class RoutingChoice:
 def build_profile(choice: RoutingChoice, rng: random.Random | None = None, scorers: dict[str, float] | None = None,
                   picker: str | None = None) -> Profile:
     """The profile the choice names; `scorers` and `picker` override its own (the router's flags).
-    Raises ValueError on an unknown profile, option or value."""
+    Raises ValueError on an unknown profile, option or value, and on options for a profile that reads
+    none (they would do nothing, silently)."""
     rank_aware = RankAwareConfig.from_options(choice.options) if choice.options else None
-    return make_profile(choice.profile, rng, scorers=scorers, picker=picker, rank_aware=rank_aware)
+    profile = make_profile(choice.profile, rng, scorers=scorers, picker=picker, rank_aware=rank_aware)
+    if choice.options and not configured_by_options(profile):
+        raise ValueError(f"routing profile {choice.profile!r} takes no options (they set up the slo filter and "
+                         f"the rank-aware scorer); got {sorted(choice.options)}")
+    return profile
 
 
 def pool_routing(spec: AdapterPoolSpec) -> RoutingChoice | None:

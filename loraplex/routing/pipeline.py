@@ -329,6 +329,11 @@ def make_profile(name: str = "loraserve", rng: random.Random | None = None,
                    fallback=make_profile(spec.fallback, rng) if spec.fallback else None)
 
 
+def configured_by_options(profile: Profile) -> bool:
+    """Whether a filter or scorer of `profile` reads its RankAwareConfig (what routing options set)."""
+    return any(isinstance(part, _CONFIGURED) for part in [*profile.filters, *(s for s, _ in profile.scorers)])
+
+
 def parse_weights(text: str) -> dict[str, float]:
     """'phi=1,queue=0.5' -> {'phi': 1.0, 'queue': 0.5} (CLI and config helper)."""
     weights: dict[str, float] = {}

@@ -58,17 +58,43 @@ def test_set_values_reach_the_router_and_it_takes_them() -> None:
     check_router_args(args)  # `loraplex router` would start with them
 
 
-@pytest.mark.parametrize("bad", [{"maxEjectedFraction": 2}, {"ejectAfter": -1}, {"ejectionTime": 0},
-                                 {"ttfbDeadline": -1}, {"maxRequestBytes": 0}, {"routingOptions": {"slo_tpot_s": 0.05}},
-                                 {"extraArgs": "--max-attempts=5"}])
-def test_the_schema_refuses_bad_router_values(bad: dict[str, Any]) -> None:
+# What `helm install --set router.ttfbDeadline=2.5 --set router.routingOptions.prompt_tokens=512 ...`
+# hands the chart: Helm's --set keeps decimals as strings and turns whole numbers into integers.
+SET_ON_THE_COMMAND_LINE = {"router": {"profile": "rank-aware", "ttfbDeadline": "2.5", "ejectionTime": "0.5", "maxEjectedFraction": "0.25",
+                                      "routingOptions": {"prompt_tokens": 512, "slo_tpot_s": "0.05"}}}
+
+
+def _schema_errors(router: dict[str, Any]) -> list:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    values["router"] |= bad
+    values["router"] |= router
     schema = json.loads((CHART / "values.schema.json").read_text())
-    assert list(jsonschema.Draft7Validator(schema).iter_errors(values))
+    return list(jsonschema.Draft7Validator(schema).iter_errors(values))
 
 
-def test_helm_lint_strict_takes_the_set_values() -> None:
-    report = helm.lint(str(CHART), SET, strict=True, kube_version="v1.36.0")
+def test_values_set_on_the_command_line_pass_the_schema_and_reach_the_router() -> None:
+    assert _schema_errors(SET_ON_THE_COMMAND_LINE["router"]) == []
+    args = _router_args(SET_ON_THE_COMMAND_LINE)
+    flags = _parsed(args)
+    assert (flags.ttfb_deadline, flags.ejection_time, flags.max_ejected_fraction) == (2.5, 0.5, 0.25)
+    assert flags.routing_option == ["prompt_tokens=512", "slo_tpot_s=0.05"]
+    check_router_args(args)
+
+
+@pytest.mark.parametrize("bad", [{"maxEjectedFraction": 2}, {"maxEjectedFraction": "1.5"}, {"ejectAfter": -1},
+                                 {"ejectionTime": 0}, {"ejectionTime": "0.0"}, {"ttfbDeadline": -1},
+                                 {"ttfbDeadline": "soon"}, {"maxRequestBytes": 0},
+                                 {"routingOptions": {"slo_tpot_s": [0.05]}}, {"extraArgs": "--max-attempts=5"}])
+def test_the_schema_refuses_bad_router_values(bad: dict[str, Any]) -> None:
+    assert _schema_errors(bad)
+
+
+@pytest.mark.parametrize("values", [SET, SET_ON_THE_COMMAND_LINE])
+def test_helm_lint_strict_takes_the_set_values(values: dict[str, Any]) -> None:
+    report = helm.lint(str(CHART), values, strict=True, kube_version="v1.36.0")
     assert report["errors"] == [], report
     assert [m["error"] for m in report["messages"]] == ["icon is recommended"], report
+
+
+def test_helm_lint_refuses_a_bad_string_value() -> None:
+    report = helm.lint(str(CHART), {"router": {"maxEjectedFraction": "1.5"}}, strict=True, kube_version="v1.36.0")
+    assert report["errors"], report

@@ -57,6 +57,7 @@ def test_a_choice_builds_the_profile_its_flags_would() -> None:
     (RoutingChoice("rank-aware", {"slo_tpot_s": "fast"}), "slo_tpot_s='fast' is not a number"),
     (RoutingChoice("rank-aware", {"slo_tpot_s": "-1"}), "slo_tpot_s must be positive"),
     (RoutingChoice("rank-aware", {"latency_profile": "no-such-profile"}), "no-such-profile"),
+    (RoutingChoice("loraserve", {"slo_tpot_s": "0.05"}), "routing profile 'loraserve' takes no options"),
 ])
 def test_a_choice_that_cannot_be_built_says_why(choice, fragment) -> None:
     assert fragment in routing_error(choice)
