@@ -1,10 +1,13 @@
 # syntax=docker/dockerfile:1.7
-# One image per role, each a build target:
-#   docker build --target agent    -t ghcr.io/loraplex/loraplex-agent:0.1.0 .     (CUDA torch, the engine)
-#   docker build --target router   -t ghcr.io/loraplex/loraplex-router:0.1.0 .    (slim: no torch)
-#   docker build --target operator -t ghcr.io/loraplex/loraplex-operator:0.1.0 .  (slim: no torch)
-# The sources become a wheel in the build stage; the role images install it and run as a non-root
-# user from a working directory outside site-packages.
+# One Dockerfile, one image per role, each a build target (scripts/build-images.sh builds them all):
+#   router     slim: no torch                     loraplex-router:<version>
+#   operator   slim: no torch                     loraplex-operator:<version>
+#   agent      the engine on CUDA (torch + Triton) loraplex-agent:<version>
+#   agent-cpu  the engine on CPU (torch CPU build) loraplex-agent-cpu:<version>
+# The sources become a wheel in the build stage; the role images install it with the extras they
+# need and run as a non-root user (uid 10001) from a working directory outside site-packages.
+# Every build argument below can be overridden, e.g. PYTHON_IMAGE for a registry mirror or an
+# air-gapped stand-in, TORCH_INDEX_URL for a local package mirror.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -12,6 +15,12 @@ FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --system --gid 10001 loraplex \
  && useradd --system --uid 10001 --gid loraplex --create-home --home-dir /home/loraplex loraplex
+# install-loraplex EXTRAS: installs the build stage's wheel with those extras, and fails loudly
+# when the wheel is missing (a glob that matches nothing would otherwise reach pip as a literal).
+RUN printf '%s\n' '#!/bin/sh' 'set -eu' 'set -- /wheels/loraplex-*.whl "$@"' \
+      '[ -f "$1" ] || { echo "install-loraplex: no loraplex wheel in /wheels" >&2; exit 1; }' \
+      'pip install "loraplex[$2] @ file://$1"' > /usr/local/bin/install-loraplex \
+ && chmod 755 /usr/local/bin/install-loraplex
 
 FROM base AS build
 WORKDIR /build
@@ -21,11 +30,10 @@ COPY node_agent ./node_agent
 COPY router ./router
 COPY operator ./operator
 COPY kernels ./kernels
-RUN pip wheel --no-deps --wheel-dir /wheels .
+RUN pip wheel --no-deps --wheel-dir /wheels . && ls /wheels/loraplex-*.whl
 
 FROM base AS operator
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install "loraplex[operator] @ file://$(ls /wheels/loraplex-*.whl)"
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex operator
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8080
@@ -33,21 +41,43 @@ ENTRYPOINT ["loraplex"]
 CMD ["operator"]
 
 FROM base AS router
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install "loraplex[router] @ file://$(ls /wheels/loraplex-*.whl)"
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex router
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8080
 ENTRYPOINT ["loraplex"]
 CMD ["router", "--host", "0.0.0.0", "--port", "8080"]
 
-FROM base AS agent
-# CUDA builds of torch carry their CUDA runtime as pip packages, so a slim Python base suffices.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124
-ARG TORCH_VERSION=2.5.1
-RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install "loraplex[agent,kernels] @ file://$(ls /wheels/loraplex-*.whl)"
+# The engine's images share this stage: a C/C++ compiler, which Triton needs the first time it
+# launches a kernel and the fused CPU LoRA kernel needs the first time an agent starts on a CPU.
+FROM base AS agent-base
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
+# CUDA: PyPI's torch is the CUDA build and carries its CUDA runtime as pip packages. Triton is
+# pinned to the version the kernels are tested with (its interpreter runs them in CI); torch's own
+# pin is replaced on purpose, hence --no-deps for that one package.
+FROM agent-base AS agent
+ARG TORCH_VERSION=2.13.0
+ARG TRITON_VERSION=3.6.0
+RUN pip install "torch==${TORCH_VERSION}" \
+ && pip install --no-deps "triton==${TRITON_VERSION}"
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex agent,kernels
+USER 10001
+WORKDIR /home/loraplex
+EXPOSE 8000
+ENTRYPOINT ["loraplex"]
+CMD ["agent", "--help"]
+
+# CPU: torch's CPU build from its own index (a local version such as 2.13.0+cpu sorts above PyPI's
+# CUDA build of the same release, so pip takes it).
+FROM agent-base AS agent-cpu
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+ && python -c "import torch; assert not torch.version.cuda, 'a CUDA build of torch'; print('torch', torch.__version__)"
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex agent,kernels
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8000

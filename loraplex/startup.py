@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 
 from loraplex.cli import CommandError
@@ -22,15 +24,24 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def open_store(url: str, pool: str) -> RedisRoutingStore:
-    """The pool's store, once Redis has answered (the caller closes it)."""
+def redis_password() -> str | None:
+    """LORAPLEX_REDIS_PASSWORD, for a Redis that requires one (the chart sets it from a Secret)."""
+    return os.environ.get("LORAPLEX_REDIS_PASSWORD") or None
+
+
+def open_store(url: str, pool: str, required: bool = True) -> RedisRoutingStore:
+    """The pool's store (the caller closes it). With `required`, only once Redis has answered;
+    without, a Redis that is not up yet is logged and the caller reports not-ready until it is."""
     try:
-        store = RedisRoutingStore.from_url(url, pool)
+        store = RedisRoutingStore.from_url(url, pool, password=redis_password())
     except ValueError as exc:
         raise CommandError(f"bad --redis-url or --pool: {exc}") from None
     try:
         store.current_version()
     except StoreUnavailableError as exc:
+        if not required:
+            logging.getLogger(__name__).warning("Redis is not reachable yet (%s); not ready until it is", exc)
+            return store
         store.close()
         raise CommandError(f"cannot reach Redis (--redis-url): {exc}") from None
     return store

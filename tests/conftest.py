@@ -6,6 +6,7 @@
 - `redis_server`: URL (redis://127.0.0.1:PORT/0) of a real redis-server, no persistence, one per session.
 - `redis_url`: the same URL, with the database flushed before the test.
 - `free_port`: a function returning a free TCP port on 127.0.0.1.
+- `start_redis`: `with start_redis(port, workdir) as url:` a redis-server of the test's own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
@@ -39,12 +41,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_model(out, num_adapters=TINY_MODEL_ADAPTERS, ranks=TINY_MODEL_RANKS, seed=0)
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextmanager
+def running_redis(port: int, workdir: Path) -> Iterator[str]:
+    """A real redis-server on 127.0.0.1:port (no persistence), stopped on exit; yields its URL."""
     if not Path(REDIS_SERVER).exists():
         pytest.fail(f"{REDIS_SERVER} is not installed (apt-get install redis-server)")
-    workdir = tmp_path_factory.mktemp("redis")
-    port = free_port_now()
     process = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
@@ -59,7 +60,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    workdir = tmp_path_factory.mktemp("redis")
+    with running_redis(free_port_now(), workdir) as url:
+        yield url
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def start_redis() -> Callable[[int, Path], AbstractContextManager[str]]:
+    """`with start_redis(port, workdir) as url:` a redis-server of the test's own, on that port."""
+    return running_redis
 
 
 @pytest.fixture

@@ -98,9 +98,12 @@ class RedisRoutingStore:
 
     @classmethod
     def from_url(cls, url: str, pool: str, window_s: float = DEFAULT_WINDOW_S,
-                 retain_s: int = DEFAULT_RETAIN_S, timeout_s: float = 2.0) -> RedisRoutingStore:
+                 retain_s: int = DEFAULT_RETAIN_S, timeout_s: float = 2.0,
+                 password: str | None = None) -> RedisRoutingStore:
+        """`password` is used when the URL carries none (kept out of URLs that land in manifests)."""
         client = redis.Redis.from_url(url, decode_responses=True, socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s, health_check_interval=30)
+                                      socket_connect_timeout=timeout_s, health_check_interval=30,
+                                      password=password or None)
         return cls(client, pool, window_s, retain_s)
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ SOURCE_SCHEMES = ("file", "https", "s3", "gs", "hf")
 # container of each server.
 BASE_MODEL_SCHEMES = ("file", "hf")
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SHA256_HEX = r"^[a-f0-9]{64}$"
 MAX_SOURCE_LENGTH = 2048  # bounds the cost of the CEL rule that checks the scheme
 
@@ -145,6 +146,18 @@ class Resources(CrdModel):
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
 
+class SecretRef(CrdModel):
+    name: str = Field(min_length=1, max_length=253)
+
+
+class ModelCache(CrdModel):
+    """A PersistentVolumeClaim per server (a StatefulSet volumeClaimTemplate) for the base model."""
+
+    size: Quantity = Field(description="Storage to request, e.g. 40Gi: the model's size with room to spare")
+    storage_class_name: str | None = Field(None, max_length=253, description="Default: the cluster's default class")
+
+
+
 class ServersSpec(CrdModel):
     """The StatefulSet of node agents. Server names are stable: `<pool>-0`, `<pool>-1`, ..."""
 
@@ -161,8 +174,22 @@ class ServersSpec(CrdModel):
     env: list[dict[str, Any]] = Field(default_factory=list, description="Extra container env (EnvVar objects)")
     volumes: list[dict[str, Any]] = Field(default_factory=list, description="Extra pod volumes")
     volume_mounts: list[dict[str, Any]] = Field(default_factory=list, description="Extra agent volume mounts")
+    init_containers: list[dict[str, Any]] = Field(
+        default_factory=list, description="Init containers run before the agent (Container objects); one "
+        "without an image runs the agent's image, e.g. `loraplex make-tiny-model` into a volume")
     service_account_name: str | None = Field(None, pattern=DNS_LABEL, max_length=63)
     max_unavailable: int = Field(1, ge=0, description="Servers a voluntary disruption may take down")
+    image_pull_secrets: list[SecretRef] = Field(default_factory=list, description="Secrets to pull the "
+                                                "images with; default: the operator's (the chart's imagePullSecrets)")
+    affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (an Affinity object)")
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, description="Spread of the servers over nodes or zones (TopologySpreadConstraint objects)")
+    priority_class_name: str | None = Field(None, pattern=DNS_SUBDOMAIN, max_length=253)
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Annotations of every server pod")
+    pod_labels: dict[str, str] = Field(default_factory=dict, description="More labels of every server pod "
+                                       "(the pool's own labels win)")
+    model_cache: ModelCache | None = Field(None, description="A volume per server that keeps a downloaded "
+                                           "hf:// base model across pod restarts and rescheduling")
 
     cel_rules = (
         CelRule("self.minReplicas <= self.maxReplicas", "minReplicas must not exceed maxReplicas",
@@ -171,6 +198,11 @@ class ServersSpec(CrdModel):
                 "replicas must lie between minReplicas and maxReplicas",
                 lambda m: m.replicas is None or m.min_replicas <= m.replicas <= m.max_replicas),
     )
+    # A StatefulSet's volume claims are fixed once it exists.
+    transition_rules = (("has(self.modelCache) == has(oldSelf.modelCache) && "
+                         "(!has(self.modelCache) || self.modelCache == oldSelf.modelCache)",
+                         "modelCache cannot be added, changed or removed once the pool exists; "
+                         "delete and re-create the pool to change it"),)
 
     @property
     def desired_replicas(self) -> int:
@@ -362,10 +394,6 @@ class AdapterPool(CrdModel):
 
 # ----------------------------------------------------------------------------------------------------
 # LoRADeployment: one adapter served by one pool.
-
-
-class SecretRef(CrdModel):
-    name: str = Field(min_length=1, max_length=253)
 
 
 class AdapterSource(CrdModel):

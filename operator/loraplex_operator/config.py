@@ -13,20 +13,29 @@ from loraplex.spec.crd import DEFAULT_VLLM_IMAGE
 @dataclass(frozen=True)
 class OperatorConfig:
     redis_url: str = "redis://loraplex-redis:6379/0"
-    agent_image: str = "ghcr.io/loraplex/loraplex-agent:0.1.0"
+    agent_image: str = "ghcr.io/loraplex/loraplex-agent:0.1.0"  # pools with GPUs
+    agent_cpu_image: str = "ghcr.io/loraplex/loraplex-agent-cpu:0.1.0"  # pools with gpusPerServer 0
     vllm_image: str = DEFAULT_VLLM_IMAGE  # the vLLM container of pools with engine.backend vllm and no engine.vllm.image
     # Secret (in the pool's namespace) with key `api-key`: the bearer key of the agents' load/unload
     # endpoints. Empty: the agents run without one.
     agent_api_key_secret: str = ""
+    # Secret (in the pool's namespace) with key `redis-password`, for a Redis that requires one: the
+    # agents read it as LORAPLEX_REDIS_PASSWORD. Empty: no password.
+    redis_password_secret: str = ""
+    image_pull_secrets: tuple[str, ...] = ()  # of pools that name none themselves
     heartbeat_ttl_seconds: float = 15.0
     tick_seconds: float = 5.0  # how often each pool's timer wakes to check whether placement is due
     peering: str = "loraplex"
 
+    def agent_image_for(self, gpus_per_server: int) -> str:
+        return self.agent_image if gpus_per_server > 0 else self.agent_cpu_image
+
     def __post_init__(self) -> None:
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        if self.agent_api_key_secret:
-            validate_pool_name(self.agent_api_key_secret)  # a DNS label, like every Secret name we accept
+        for secret in (self.agent_api_key_secret, self.redis_password_secret, *self.image_pull_secrets):
+            if secret:
+                validate_pool_name(secret)  # a DNS label, like every Secret name we accept
         if self.tick_seconds <= 0 or self.heartbeat_ttl_seconds <= 0:
             raise ValueError("tick and heartbeat TTL must be positive")
 
@@ -37,8 +46,11 @@ class OperatorConfig:
         return cls(
             redis_url=env.get("LORAPLEX_REDIS_URL", defaults.redis_url),
             agent_image=env.get("LORAPLEX_AGENT_IMAGE", defaults.agent_image),
+            agent_cpu_image=env.get("LORAPLEX_AGENT_CPU_IMAGE", defaults.agent_cpu_image),
             vllm_image=env.get("LORAPLEX_VLLM_IMAGE") or defaults.vllm_image,
             agent_api_key_secret=env.get("LORAPLEX_AGENT_API_KEY_SECRET", ""),
+            redis_password_secret=env.get("LORAPLEX_REDIS_PASSWORD_SECRET", ""),
+            image_pull_secrets=tuple(n for n in env.get("LORAPLEX_IMAGE_PULL_SECRETS", "").split(",") if n),
             heartbeat_ttl_seconds=float(env.get("LORAPLEX_HEARTBEAT_TTL", defaults.heartbeat_ttl_seconds)),
             tick_seconds=float(env.get("LORAPLEX_TICK_SECONDS", defaults.tick_seconds)),
             peering=env.get("LORAPLEX_PEERING", defaults.peering),

@@ -23,9 +23,11 @@ MAX_PRIORITY = 1 << 30
 
 def build_deps(config: OperatorConfig) -> Deps:
     from loraplex.routing.redis_store import RedisRoutingStore
+    from loraplex.startup import redis_password
 
     return Deps(config=config, kube=KubernetesApi(), events=KopfEvents(), clock=WallClock(),
-                store_factory=lambda pool: RedisRoutingStore.from_url(config.redis_url, pool),
+                store_factory=lambda pool: RedisRoutingStore.from_url(config.redis_url, pool,
+                                                                      password=redis_password()),
                 inspector=SourceInspector())
 
 

@@ -197,6 +197,9 @@ def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec) -> list[d
     if config.agent_api_key_secret:
         env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": config.agent_api_key_secret, "key": "api-key"}}})
+    if config.redis_password_secret:
+        env.append({"name": "LORAPLEX_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+            "name": config.redis_password_secret, "key": "redis-password"}}})
     return env + list(spec.servers.env)
 
 
@@ -239,7 +242,7 @@ def _containers(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) ->
 def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
     return {
         "name": "agent",
-        "image": spec.servers.image or config.agent_image,
+        "image": agent_image(spec, config),
         "imagePullPolicy": spec.servers.image_pull_policy,
         "args": agent_args(spec),
         "envFrom": [{"configMapRef": {"name": names.configmap_name(pool.name)}}],
@@ -256,29 +259,68 @@ def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> 
     }
 
 
-def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+def agent_image(spec: AdapterPoolSpec, config: OperatorConfig) -> str:
+    """The pool's own image, else the operator's CUDA or CPU agent image by gpusPerServer."""
+    return spec.servers.image or config.agent_image_for(spec.servers.gpus_per_server)
+
+
+def _volumes(pool: PoolRef, spec: AdapterPoolSpec) -> list[dict[str, Any]]:
+    """The pod's volumes; with servers.modelCache the models volume is the server's own claim instead."""
+    models = [] if spec.servers.model_cache else [{"name": MODELS_VOLUME, "emptyDir": {}}]
+    plugin = [plugin_volume(pool.name)] if uses_vllm(spec) else []
+    return [*models, {"name": ADAPTERS_VOLUME, "emptyDir": {}}, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+            *spec.servers.volumes, *plugin]
+
+
+def _init_containers(spec: AdapterPoolSpec, image: str) -> list[dict[str, Any]]:
+    """The user's init containers (those without an image run the agent's), then the model fetch."""
+    own = [{"image": image, "imagePullPolicy": spec.servers.image_pull_policy, **c} for c in spec.servers.init_containers]
+    fetch = fetch_model_container(spec, image)
+    return own + ([fetch] if fetch is not None else [])
+
+
+def _scheduling(spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    """Where and how the pods are placed and pulled: only the fields that are set."""
     servers = spec.servers
-    image = servers.image or config.agent_image
+    pull_secrets = [s.name for s in servers.image_pull_secrets] or list(config.image_pull_secrets)
+    fields: dict[str, Any] = {
+        "nodeSelector": dict(servers.node_selector), "tolerations": [t.to_k8s() for t in servers.tolerations],
+        "affinity": dict(servers.affinity), "topologySpreadConstraints": list(servers.topology_spread_constraints),
+        "priorityClassName": servers.priority_class_name, "serviceAccountName": servers.service_account_name,
+        "imagePullSecrets": [{"name": name} for name in pull_secrets],
+    }
+    return {key: value for key, value in fields.items() if value}
+
+
+def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
     pod: dict[str, Any] = {
         "containers": _containers(pool, spec, config),
         "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
                             "fsGroup": USER_ID},
         "terminationGracePeriodSeconds": 60,  # lets running requests finish
-        "volumes": [{"name": MODELS_VOLUME, "emptyDir": {}}, {"name": ADAPTERS_VOLUME, "emptyDir": {}},
-                    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] + list(servers.volumes),
+        "volumes": _volumes(pool, spec),
+        **_scheduling(spec, config),
     }
-    if uses_vllm(spec):
-        pod["volumes"].append(plugin_volume(pool.name))
-    fetch = fetch_model_container(spec, image)
-    if fetch is not None:
-        pod["initContainers"] = [fetch]
-    if servers.node_selector:
-        pod["nodeSelector"] = dict(servers.node_selector)
-    if servers.tolerations:
-        pod["tolerations"] = [t.to_k8s() for t in servers.tolerations]
-    if servers.service_account_name:
-        pod["serviceAccountName"] = servers.service_account_name
+    init = _init_containers(spec, agent_image(spec, config))
+    if init:
+        pod["initContainers"] = init
     return pod
+
+
+def _claim_templates(pool: PoolRef, spec: AdapterPoolSpec) -> list[dict[str, Any]]:
+    cache = spec.servers.model_cache
+    if cache is None:
+        return []
+    claim: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": cache.size}}}
+    if cache.storage_class_name:
+        claim["storageClassName"] = cache.storage_class_name
+    return [{"metadata": {"name": MODELS_VOLUME, "labels": names.pool_labels(pool.name)}, "spec": claim}]
+
+
+def _template_metadata(pool: PoolRef, spec: AdapterPoolSpec, settings_hash: str) -> dict[str, Any]:
+    servers = spec.servers
+    return {"labels": {**servers.pod_labels, **names.pool_labels(pool.name)},
+            "annotations": {**servers.pod_annotations, names.CONFIG_HASH_ANNOTATION: settings_hash}}
 
 
 def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> dict[str, Any]:
@@ -294,11 +336,9 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
             "selector": {"matchLabels": names.selector_labels(pool.name)},
-            "template": {
-                "metadata": {"labels": names.pool_labels(pool.name),
-                             "annotations": {names.CONFIG_HASH_ANNOTATION: settings_hash}},
-                "spec": _pod_spec(pool, spec, config),
-            },
+            "template": {"metadata": _template_metadata(pool, spec, settings_hash),
+                         "spec": _pod_spec(pool, spec, config)},
+            **({"volumeClaimTemplates": claims} if (claims := _claim_templates(pool, spec)) else {}),
         },
     }
 

@@ -82,7 +82,8 @@ def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     with listen_socket(args.host, args.port) as sock:
-        store = open_store(args.redis_url, args.pool)
+        # Redis may start after the router (a fresh install): wait for it, answering /ready 503.
+        store = open_store(args.redis_url, args.pool, required=False)
         try:
             server = uvicorn.Server(uvicorn.Config(create_app(store, settings), log_level=args.log_level,
                                                   access_log=False))

@@ -9,8 +9,6 @@ template variable) must return at least one series, with the labels it groups by
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import time
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
+from dashboard import check_panel, dashboard, queries
 from prometheus import Prometheus, Target, scrape_jobs
 from tools import require_module, require_tool
 
@@ -28,11 +27,9 @@ from loraplex.ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
-DASHBOARD = CHART / "dashboards" / "loraplex.json"
 POOL = "tiny"
 RELEASE, RELEASE_NAMESPACE, POOL_NAMESPACE = "lp", "serving", "team-a"
 ADAPTERS = [f"ad{i}" for i in range(4)]
-RATE_WINDOW = "30s"  # what $__rate_interval stands for (Grafana: at least 4 scrape intervals)
 
 helm = require_module("helm_python", "helm-python-sdk, Helm's engine: pip install -e '.[dev]'")
 
@@ -134,30 +131,6 @@ def scraped(stack, prometheus) -> Prometheus:
     return prometheus
 
 
-def _dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
-
-
-def _queries() -> list[tuple[str, str]]:
-    """(panel title / refId, expr) of every target of every panel."""
-    return [(f"{p['title']} / {t.get('refId', '?')}", t["expr"]) for p in _dashboard()["panels"]
-            for t in p.get("targets", [])]
-
-
-def _substitute(expr: str, variables: dict[str, str]) -> str:
-    expr = expr.replace("$__rate_interval", RATE_WINDOW).replace("$__interval", "5s")
-    for name, value in variables.items():
-        expr = expr.replace(f"${{{name}}}", value).replace(f"${name}", value)
-    assert "$" not in expr, f"unknown template variable in {expr}"
-    return expr
-
-
-def _grouping_labels(expr: str) -> set[str]:
-    """Labels the expression promises in its result: those of every `by (...)` clause but `le`."""
-    return {label.strip() for clause in re.findall(r"\bby\s*\(([^)]*)\)", expr)
-            for label in clause.split(",") if label.strip() and label.strip() != "le"}
-
-
 def test_every_target_is_selected_by_its_service_monitor(scraped, stack):
     """The routers' monitor picks the router only, the agents' monitor every agent (in another
     namespace), and the relabelings give each series its pool (and each agent its server)."""
@@ -170,7 +143,7 @@ def test_every_target_is_selected_by_its_service_monitor(scraped, stack):
 
 
 def test_template_variables_have_values(scraped):
-    variables = {v["name"]: v for v in _dashboard()["templating"]["list"] if v["type"] == "query"}
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"] if v["type"] == "query"}
     assert set(variables) == {"pool", "adapter"}
     for name, variable in variables.items():
         metric, label = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["definition"]).groups()
@@ -180,14 +153,8 @@ def test_template_variables_have_values(scraped):
     assert set(ADAPTERS) <= set(scraped.label_values("model", "loraplex_router_requests_total"))
 
 
-@pytest.mark.parametrize("title, expr", _queries(), ids=[title for title, _ in _queries()])
+@pytest.mark.parametrize("title, expr", queries(), ids=[title for title, _ in queries()])
 def test_every_panel_query_returns_series(scraped, title: str, expr: str):
     """The pool variable set to the stack's pool (a router series without a pool label would vanish
     here), the adapter variable to All."""
-    result = scraped.query(_substitute(expr, {"pool": POOL, "adapter": ".*"}))
-    assert result, f"{title}: no series for {expr}"
-    values = [float(series["value"][1]) for series in result]
-    assert any(math.isfinite(v) for v in values), f"{title}: only {values}"
-    for series in result:
-        missing = {label for label in _grouping_labels(expr) if not series["metric"].get(label)}
-        assert not missing, f"{title}: series {series['metric']} lacks {missing} (grouped by in {expr})"
+    check_panel(scraped, title, expr, POOL)

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kube import kubectl, wait_for
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="needs KUBECONFIG (a real cluster)")]
@@ -31,22 +32,6 @@ pytestmark = [pytest.mark.cluster,
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION = "loraplex.io", "v1alpha1"
 DIGEST = "e" * 64
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def kubectl(*args: str, namespace: str | None = None, stdin: str | None = None, check: bool = True
-            ) -> subprocess.CompletedProcess[str]:
-    ns = ["-n", namespace] if namespace else []
-    return subprocess.run(["kubectl", *ns, *args], input=stdin, capture_output=True, text=True, check=check)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +101,10 @@ def apply(namespace: str, *objects: dict[str, Any]) -> None:
 
 def pool(name: str = "tiny", **spec: Any) -> dict[str, Any]:
     body = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
-            "servers": {"minReplicas": 2, "maxReplicas": 2, "gpusPerServer": 0},
+            # No node matches: on a cluster with a real node no kubelet runs (or reports on) these
+            # pods, so the test agents' status patches stand (test_real_node.py runs real pods).
+            "servers": {"minReplicas": 2, "maxReplicas": 2, "gpusPerServer": 0,
+                        "nodeSelector": {"loraplex.io/e2e": "stand-in-agents"}},
             "placement": {"intervalSeconds": 5, "autoscale": False}}
     for section, values in spec.items():
         body[section] = {**body.get(section, {}), **values}
@@ -175,7 +163,7 @@ class Agents:
     def pods_ready(self) -> None:
         body = json.dumps({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}})
         for sid in self.ids:
-            _wait(f"pod {sid}", lambda s=sid: kubectl("get", "pod", s, namespace=self.namespace, check=False)
+            wait_for(f"pod {sid}", lambda s=sid: kubectl("get", "pod", s, namespace=self.namespace, check=False)
                   .returncode == 0)
             kubectl("patch", "pod", sid, "--subresource=status", "--type=merge", "-p", body, namespace=self.namespace)
 
@@ -202,20 +190,20 @@ def test_the_path_without_helm_elects_a_leader_and_reconciles(namespace: str, st
                                                               ) -> None:
     start_operator()  # peering on: kopf's peering CRDs came from crds/
     apply(namespace, pool())
-    sts = _wait("the StatefulSet", lambda: statefulset(namespace))
+    sts = wait_for("the StatefulSet", lambda: statefulset(namespace))
     assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == "tiny"
 
 
 def test_standalone_reconciles(namespace: str, operator: Operator) -> None:
     apply(namespace, pool())
-    _wait("the StatefulSet", lambda: statefulset(namespace))
+    wait_for("the StatefulSet", lambda: statefulset(namespace))
 
 
 def test_a_statefulset_deleted_by_hand_comes_back(namespace: str, operator: Operator) -> None:
     apply(namespace, pool())
-    first = _wait("the StatefulSet", lambda: statefulset(namespace))
+    first = wait_for("the StatefulSet", lambda: statefulset(namespace))
     kubectl("delete", "statefulset", "tiny", "--wait=true", namespace=namespace)
-    again = _wait("it again", lambda: (s := statefulset(namespace)) and s["metadata"]["uid"] != first["metadata"]["uid"]
+    again = wait_for("it again", lambda: (s := statefulset(namespace)) and s["metadata"]["uid"] != first["metadata"]["uid"]
                   and s)
     assert again["spec"]["replicas"] == 2
 
@@ -224,7 +212,7 @@ def test_both_example_pools_get_their_statefulset(namespace: str, operator: Oper
     for example in ("adapterpool.yaml", "adapterpool-planner.yaml"):
         kubectl("apply", "-f", str(ROOT / "examples" / example), namespace=namespace)
     for name in ("llama3-8b", "tiny"):
-        sts = _wait(f"the StatefulSet {name}", lambda n=name: statefulset(namespace, n))
+        sts = wait_for(f"the StatefulSet {name}", lambda n=name: statefulset(namespace, n))
         volumes = [v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]]
         assert len(volumes) == len(set(volumes))
     time.sleep(3)
@@ -237,12 +225,12 @@ def test_names_the_operator_cannot_use_are_refused(namespace: str, operator: Ope
         assert out.returncode != 0 and "name" in out.stderr, out.stderr
     longest = "p" * 52
     apply(namespace, pool(longest))
-    _wait("its pods", lambda: kubectl("get", "pod", f"{longest}-0", namespace=namespace, check=False).returncode == 0)
+    wait_for("its pods", lambda: kubectl("get", "pod", f"{longest}-0", namespace=namespace, check=False).returncode == 0)
 
 
 def test_an_unreachable_source_keeps_one_reason(namespace: str, operator: Operator) -> None:
     apply(namespace, pool(), adapter("far", source="https://127.0.0.1:1/far"))
-    _wait("a status", lambda: phase(namespace, "far")[0])
+    wait_for("a status", lambda: phase(namespace, "far")[0])
     seen = set()
     for _ in range(8):  # eight pool ticks
         seen.add(phase(namespace, "far"))
@@ -256,12 +244,12 @@ def test_an_unreachable_source_keeps_one_reason(namespace: str, operator: Operat
 def test_readiness_needs_a_ready_pod_and_a_heartbeat(namespace: str, operator: Operator,
                                                      agents: Callable[..., Agents]) -> None:
     apply(namespace, pool(), adapter("a"))
-    _wait("the StatefulSet", lambda: statefulset(namespace))
+    wait_for("the StatefulSet", lambda: statefulset(namespace))
     serving = agents()  # heartbeats while the pods are Pending
     time.sleep(4)
     assert phase(namespace, "a")[0] == "Pending" and status(namespace, "adapterpools", "tiny")["readyReplicas"] == 0
     serving.pods_ready()
-    _wait("Ready", lambda: phase(namespace, "a") == ("Ready", "Serving"))
+    wait_for("Ready", lambda: phase(namespace, "a") == ("Ready", "Serving"))
     columns = kubectl("get", "apool", "tiny", "--no-headers", namespace=namespace).stdout.split()
     assert columns[:6] == ["tiny", "Ready", "2", "2", "1", "1"]  # NAME PHASE READY SERVERS REQUIRED ADAPTERS
 
@@ -270,9 +258,9 @@ def test_pool_changes_reach_its_adapters(namespace: str, redis_url: str, operato
                                          agents: Callable[..., Agents]) -> None:
     apply(namespace, pool(), adapter("big", rank=32))
     agents().pods_ready()
-    _wait("Ready", lambda: phase(namespace, "big") == ("Ready", "Serving"))
+    wait_for("Ready", lambda: phase(namespace, "big") == ("Ready", "Serving"))
     apply(namespace, pool(engine={"maxLoraRank": 16}))
-    _wait("Failed", lambda: phase(namespace, "big") == ("Failed", "RankTooLarge"))
+    wait_for("Failed", lambda: phase(namespace, "big") == ("Failed", "RankTooLarge"))
     columns = kubectl("get", "lora", "big", "--no-headers", namespace=namespace).stdout.split()
     assert columns[:4] == ["big", "tiny", "Failed", "32"]  # NAME POOL PHASE RANK
 
@@ -281,7 +269,7 @@ def test_pool_changes_reach_its_adapters(namespace: str, redis_url: str, operato
     store = RedisRoutingStore.from_url(redis_url, "tiny")
     assert store.get_adapter("big") is None and "big" not in store.read_table().entries
     apply(namespace, pool(engine={"maxLoraRank": 64}))
-    _wait("Ready again", lambda: phase(namespace, "big") == ("Ready", "Serving"))
+    wait_for("Ready again", lambda: phase(namespace, "big") == ("Ready", "Serving"))
     store.close()
 
 
@@ -292,10 +280,10 @@ def test_a_deleted_pool_leaves_no_state(namespace: str, redis_url: str, operator
     apply(namespace, pool(), adapter("a"))
     serving = agents()
     serving.pods_ready()
-    _wait("Ready", lambda: phase(namespace, "a") == ("Ready", "Serving"))
+    wait_for("Ready", lambda: phase(namespace, "a") == ("Ready", "Serving"))
     serving.stop()
     kubectl("delete", "apool", "tiny", "--timeout=60s", namespace=namespace)
-    _wait("PoolNotFound", lambda: phase(namespace, "a") == ("Pending", "PoolNotFound"))
+    wait_for("PoolNotFound", lambda: phase(namespace, "a") == ("Pending", "PoolNotFound"))
     client = redis.Redis.from_url(redis_url)
     assert list(client.scan_iter(match="loraplex:{tiny}:*")) == []
     client.close()
@@ -305,7 +293,7 @@ def test_a_deleted_pool_leaves_no_state(namespace: str, redis_url: str, operator
 def test_deleting_the_namespace_completes(namespace: str, operator: Operator, agents: Callable[..., Agents]) -> None:
     apply(namespace, pool(), *(adapter(f"a{i}") for i in range(5)))
     agents().pods_ready()
-    _wait("Ready", lambda: all(phase(namespace, f"a{i}")[0] == "Ready" for i in range(5)))
+    wait_for("Ready", lambda: all(phase(namespace, f"a{i}")[0] == "Ready" for i in range(5)))
     kubectl("delete", "namespace", namespace, "--timeout=120s")
 
 
@@ -323,10 +311,10 @@ def test_a_pools_routing_reaches_its_table_and_a_bad_one_fails_the_pool(namespac
     agents().pods_ready()
     store = RedisRoutingStore.from_url(redis_url, "tiny")
     published = RoutingChoice("rank-aware", {"slo_tpot_s": "0.05"})
-    _wait("the table naming the pool's routing", lambda: (t := store.read_table()) is not None
+    wait_for("the table naming the pool's routing", lambda: (t := store.read_table()) is not None
           and t.routing == published)
     apply(namespace, pool(routing={"profile": "rank-aware", "options": {"slo_tpot_s": "fast"}}))
-    ready = _wait("Failed/InvalidRouting", lambda: next(
+    ready = wait_for("Failed/InvalidRouting", lambda: next(
         (c for c in status(namespace, "adapterpools", "tiny").get("conditions", [])
          if c["type"] == "Ready" and c["reason"] == "InvalidRouting"), None))
     assert "slo_tpot_s='fast' is not a number" in ready["message"]

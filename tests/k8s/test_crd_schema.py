@@ -150,7 +150,8 @@ DOCUMENTED = documented_resources()
 def test_the_docs_and_examples_show_whole_resources() -> None:
     files = {key.split("#")[0] for key in DOCUMENTED}
     assert {"examples/adapterpool.yaml", "examples/adapterpool-planner.yaml", "examples/loradeployment-hf.yaml",
-            "examples/loradeployment-s3.yaml", "docs/kubernetes.md", "docs/local.md"} <= files, files
+            "examples/loradeployment-s3.yaml", "examples/quickstart-cpu/adapterpool.yaml",
+            "examples/quickstart-cpu/loradeployments.yaml", "docs/kubernetes.md", "docs/local.md"} <= files, files
     assert len(DOCUMENTED) >= 7
 
 

@@ -38,6 +38,8 @@ def test_default_values_validate_against_the_schema() -> None:
     {"operator": {"watchNamespaces": ["Bad_NS"]}},
     {"router": {"profile": "fastest"}},
     {"routr": {}},
+    {"redis": {"auth": {"existingSecret": "Bad_Name"}}},
+    {"router": {"podDisruptionBudget": {"maxUnavailable": -1}}},
 ])
 def test_bad_values_are_refused(bad: dict[str, Any]) -> None:
     values = _values()
@@ -62,6 +64,8 @@ VALUE_SETS = {
                    "router": {"autoscaling": {"enabled": True}, "apiKeysSecret": "router-keys"}},
     "external-redis": {"redis": {"enabled": False, "externalUrl": "redis://redis.infra:6379/1"},
                        "crds": {"install": False}, "metrics": {"grafanaDashboard": {"enabled": False}}},
+    "secured": {"redis": {"auth": {"existingSecret": "redis-auth"}}, "networkPolicy": {"enabled": True},
+                "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}]},
 }
 
 
@@ -108,8 +112,13 @@ def test_defaults_install_everything() -> None:
     container = operator["template"]["spec"]["containers"][0]
     assert container["image"] == "ghcr.io/loraplex/loraplex-operator:0.1.0"
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["LORAPLEX_REDIS_URL"] == "redis://lp-loraplex-redis:6379/0"
+    # namespace-qualified: agents of pools in any namespace reach it
+    assert env["LORAPLEX_REDIS_URL"] == "redis://lp-loraplex-redis.serving.svc:6379/0"
     assert env["LORAPLEX_AGENT_IMAGE"] == "ghcr.io/loraplex/loraplex-agent:0.1.0"
+    assert env["LORAPLEX_AGENT_CPU_IMAGE"] == "ghcr.io/loraplex/loraplex-agent-cpu:0.1.0"
+    assert env["LORAPLEX_REDIS_PASSWORD_SECRET"] == env["LORAPLEX_IMAGE_PULL_SECRETS"] == ""
+    assert [p["spec"]["maxUnavailable"] for p in kinds["PodDisruptionBudget"]] == [1]  # the routers'
+    assert "NetworkPolicy" not in kinds
     router = deployments["lp-loraplex-router"]["spec"]["template"]["spec"]["containers"][0]
     assert "--pool=llama3-8b" in router["args"]
     assert operator["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -131,6 +140,27 @@ def test_namespaced_operator_gets_roles_and_monitors() -> None:
     router = deployments["lp-loraplex-router"]
     assert "--api-keys=/etc/loraplex/api-keys.yaml" in router["containers"][0]["args"]
     assert router["volumes"] == [{"name": "api-keys", "secret": {"secretName": "router-keys"}}]
+
+
+def test_redis_auth_network_policies_and_pull_secrets() -> None:
+    kinds = _kinds(_render(VALUE_SETS["secured"]))
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in kinds["Deployment"]}
+    password = {"name": "LORAPLEX_REDIS_PASSWORD",
+                "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "redis-password"}}}
+    for name in ("redis", "router", "operator"):
+        container = deployments[f"lp-loraplex-{name}"]["containers"][0]
+        assert password in container["env"], name
+    redis = deployments["lp-loraplex-redis"]["containers"][0]
+    assert redis["args"][-2:] == ["--requirepass", "$(LORAPLEX_REDIS_PASSWORD)"]
+    operator = deployments["lp-loraplex-operator"]
+    env = {e["name"]: e.get("value") for e in operator["containers"][0]["env"]}
+    assert env["LORAPLEX_REDIS_PASSWORD_SECRET"] == "redis-auth"  # the agents read the same Secret
+    assert env["LORAPLEX_IMAGE_PULL_SECRETS"] == "regcred,mirror"
+    assert operator["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    policies = {p["metadata"]["name"]: p["spec"] for p in kinds["NetworkPolicy"]}
+    assert sorted(policies) == ["lp-loraplex-operator", "lp-loraplex-redis", "lp-loraplex-router"]
+    redis_from = policies["lp-loraplex-redis"]["ingress"][0]["from"][0]
+    assert redis_from == {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "loraplex"}}}
 
 
 def test_external_redis_and_no_crds() -> None:

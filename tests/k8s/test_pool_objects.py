@@ -115,3 +115,64 @@ def test_unknown_policies_and_bad_options_fail_the_pool_with_the_reason(engine) 
     reason, message = spec_failure(_spec(**{f"engine__{k}": v for k, v in engine.items()}))
     assert reason == INVALID_ENGINE and message.startswith("engine: ")
     assert spec_failure(_spec(engine__scheduler="chameleon", engine__schedulerOptions={"refresh_s": "60"})) == ("", "")
+
+
+def test_cpu_pools_get_the_cpu_agent_image_and_gpu_pools_the_cuda_one() -> None:
+    config = OperatorConfig(agent_image="agent:1", agent_cpu_image="agent-cpu:1")
+    image = lambda spec: build_statefulset(REF, spec, config, 1)["spec"]["template"]["spec"]["containers"][0]["image"]  # noqa: E731
+    assert image(_spec()) == "agent:1"
+    assert image(_spec(servers__gpusPerServer=0)) == "agent-cpu:1"
+    assert image(_spec(servers__gpusPerServer=0, servers__image="mine:2")) == "mine:2"
+
+
+def test_pod_scheduling_pull_secrets_annotations_and_labels_reach_the_pod() -> None:
+    affinity = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}
+    spread = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}]
+    spec = _spec(servers__affinity=affinity, servers__topologySpreadConstraints=spread,
+                 servers__priorityClassName="llm-serving", servers__podAnnotations={"team": "ml"},
+                 servers__podLabels={"cost-center": "42", "loraplex.io/pool": "not-mine"},
+                 servers__imagePullSecrets=[{"name": "own-creds"}])
+    template = build_statefulset(REF, spec, OperatorConfig(image_pull_secrets=("chart-creds",)), 1)["spec"]["template"]
+    pod = template["spec"]
+    assert pod["affinity"] == affinity and pod["topologySpreadConstraints"] == spread
+    assert pod["priorityClassName"] == "llm-serving"
+    assert pod["imagePullSecrets"] == [{"name": "own-creds"}]  # the pool's own win over the chart's
+    assert template["metadata"]["annotations"]["team"] == "ml"
+    assert template["metadata"]["labels"]["cost-center"] == "42"
+    assert template["metadata"]["labels"]["loraplex.io/pool"] == "llama"  # the selector's labels cannot be replaced
+    default = build_statefulset(REF, _spec(), OperatorConfig(image_pull_secrets=("chart-creds",)), 1)
+    assert default["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "chart-creds"}]
+    assert "affinity" not in default["spec"]["template"]["spec"]
+
+
+def test_init_containers_without_an_image_run_the_agents_image() -> None:
+    make = {"name": "make-model", "args": ["make-tiny-model", "/models/tiny"],
+            "volumeMounts": [{"name": "models", "mountPath": "/models"}]}
+    other = {"name": "other", "image": "busybox:1", "command": ["true"]}
+    spec = _spec(baseModel={"name": "tiny", "source": "file:///models/tiny/base"}, servers__initContainers=[make, other],
+                 servers__volumes=[{"name": "models", "emptyDir": {}}])
+    init = build_statefulset(REF, spec, CONFIG, 1)["spec"]["template"]["spec"]["initContainers"]
+    assert init[0] == {**make, "image": "agent:1", "imagePullPolicy": "IfNotPresent"}
+    assert init[1]["image"] == "busybox:1"
+    assert len(init) == 2  # a file:// model needs no fetch
+
+
+def test_model_cache_is_a_claim_per_server_in_place_of_the_empty_dir() -> None:
+    sts = build_statefulset(REF, _spec(servers__modelCache={"size": "40Gi", "storageClassName": "fast"}), CONFIG, 2)
+    claims = sts["spec"]["volumeClaimTemplates"]
+    assert [c["metadata"]["name"] for c in claims] == ["loraplex-models"]
+    assert claims[0]["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "40Gi"}},
+                                 "storageClassName": "fast"}
+    volumes = {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert "loraplex-models" not in volumes  # the claim provides it
+    fetch = sts["spec"]["template"]["spec"]["initContainers"][-1]
+    assert {"name": "loraplex-models", "mountPath": "/var/lib/loraplex/models"} in fetch["volumeMounts"]
+    assert "volumeClaimTemplates" not in build_statefulset(REF, _spec(), CONFIG, 2)["spec"]
+
+
+def test_agents_read_the_redis_password_from_the_secret() -> None:
+    config = OperatorConfig(redis_password_secret="redis-auth")
+    env = build_statefulset(REF, _spec(), config, 1)["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "LORAPLEX_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "redis-password"}}} in env
+    assert "redis-auth" not in str(agent_settings(REF, _spec(), config))  # nothing secret in the ConfigMap

@@ -9,8 +9,11 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 from processes import wait_healthy
+from waiting import wait_until
+
+from loraplex.routing.records import ServerRecord
+from loraplex.routing.redis_store import RedisRoutingStore
 
 LORAPLEX = str(Path(sys.executable).parent / "loraplex")
 
@@ -36,13 +39,33 @@ def test_a_port_in_use_is_one_line(redis_url, free_port):
     assert_one_line_error(result, f"127.0.0.1:{port}", "in use")
 
 
-@pytest.mark.parametrize(("url", "fragment"), [
-    ("redis://127.0.0.1:{port}/0", "cannot reach Redis"),  # nothing listens there
-    ("http://127.0.0.1:{port}", "bad --redis-url"),
-])
-def test_an_unusable_redis_is_one_line(free_port, url, fragment):
-    result = start_router("--redis-url", url.format(port=free_port()), "--port", str(free_port()))
-    assert_one_line_error(result, fragment)
+def test_a_bad_redis_url_is_one_line(free_port):
+    result = start_router("--redis-url", f"http://127.0.0.1:{free_port()}", "--port", str(free_port()))
+    assert_one_line_error(result, "bad --redis-url")
+
+
+def test_a_redis_not_up_yet_is_waited_for(free_port, start_redis, tmp_path):
+    """A fresh install starts the router and Redis together: the router serves /health, answers
+    /ready 503 while Redis is down, and becomes ready once Redis is up and a server registered."""
+    port, redis_port = free_port(), free_port()
+    log = tmp_path / "router.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([LORAPLEX, "router", "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                                    "--port", str(port), "--poll-interval", "0.2"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process, log)
+        assert httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 503
+        with start_redis(redis_port, tmp_path) as url:
+            store = RedisRoutingStore.from_url(url, "default")
+            store.register_server(ServerRecord("s0", "http://127.0.0.1:9", max_rank=8, base_model="b"), ttl_s=60)
+            store.close()
+            wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, 30)
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "Redis is not reachable yet" in log.read_text()
 
 
 def test_a_good_start_serves(redis_url, free_port, tmp_path):

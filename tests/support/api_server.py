@@ -357,11 +357,11 @@ def _has_placeholder(value: Any) -> bool:
 
 
 def documented_resources() -> dict[str, dict[str, Any]]:
-    """Every whole AdapterPool and LoRADeployment in examples/*.yaml and in the fenced YAML blocks of
+    """Every whole AdapterPool and LoRADeployment in examples/**/*.yaml and in the fenced YAML blocks of
     README.md and docs/*.md, by "file#n". Fragments (no apiVersion/kind/metadata.name/spec), blocks
     that are not YAML, and objects with `{...}` / `[...]` placeholders are left out."""
     found: dict[str, dict[str, Any]] = {}
-    sources = [(p, p.read_text()) for p in sorted((ROOT / "examples").glob("*.yaml"))]
+    sources = [(p, p.read_text()) for p in sorted((ROOT / "examples").rglob("*.yaml"))]
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         blocks = re.findall(r"^[ \t]*```ya?ml[^\n]*\n(.*?)^[ \t]*```", doc.read_text(), re.S | re.M)
         sources += [(doc, block) for block in blocks]

@@ -24,9 +24,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s/loraplex-%s:%s" .root.Values.image.repository .role (.root.Values.image.tag | default .root.Chart.AppVersion) -}}
 {{- end -}}
 
+{{/* Namespace-qualified: pools in any namespace hand it to their agents. */}}
 {{- define "loraplex.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:6379/0" (include "loraplex.fullname" .) -}}
+{{- printf "redis://%s-redis.%s.svc:6379/0" (include "loraplex.fullname" .) .Release.Namespace -}}
 {{- else -}}
 {{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
 {{- end -}}
@@ -79,3 +80,19 @@ capabilities:
   resources: [events]
   verbs: [create, patch]
 {{- end }}
+
+{{/* LORAPLEX_REDIS_PASSWORD from redis.auth.existingSecret, when set. */}}
+{{- define "loraplex.redisPasswordEnv" -}}
+{{- with .Values.redis.auth.existingSecret }}
+- name: LORAPLEX_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ . }}, key: redis-password}
+{{- end }}
+{{- end -}}
+
+{{/* The names of imagePullSecrets, comma-separated (the operator's default for pool pods). */}}
+{{- define "loraplex.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.imagePullSecrets }}{{ $names = append $names .name }}{{ end -}}
+{{- join "," $names -}}
+{{- end -}}

@@ -1,0 +1,408 @@
+"""The user's whole path on a cluster with a real node (kubelet + container runtime): images built
+from the Dockerfile, `helm install`, the CPU quick start applied exactly as the README says, every
+adapter served through the router Service, the dashboard's queries answered by a Prometheus that
+scrapes the pods, and then the faults a cluster meets: an agent pod deleted under traffic, the
+operator restarted, Redis restarted, the pool scaled up and down, adapters deleted, `helm upgrade`
+and `helm uninstall`.
+
+The tests run in file order against one release, and only where the environment names such a
+cluster:
+
+    LORAPLEX_E2E_NODE=1 KUBECONFIG=~/.kube/config pytest -m cluster tests/k8s/test_real_node.py
+
+    LORAPLEX_E2E_BUILD_FLAGS  flags of scripts/build-images.sh to build and load the images first,
+                              e.g. "--tool buildah --load containerd"; unset: they are on the node
+    LORAPLEX_E2E_VALUES       a YAML file of more chart values (e.g. redis.image on an air-gapped node)
+    LORAPLEX_E2E_REPORT       a JSON file for the figures (docs/benchmarks.md)
+
+The router Service is reached at its ClusterIP when this machine is the node (kube-proxy's rules
+apply to it), else through `kubectl port-forward`, as the README does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from dashboard import check_panel, queries
+from kube import GROUP, get_json, kubectl, wait_for
+from prometheus import Prometheus, Target, scrape_jobs
+from tools import require_module, require_tool
+
+from loraplex.ports import free_port
+
+pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
+    not (os.environ.get("KUBECONFIG") and os.environ.get("LORAPLEX_E2E_NODE")),
+    reason="needs LORAPLEX_E2E_NODE=1 and KUBECONFIG naming a cluster with a node that runs the images")]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "loraplex"
+QUICKSTART = ROOT / "examples" / "quickstart-cpu"
+POOL = "tiny"
+RUN = uuid.uuid4().hex[:5]
+RELEASE, SYSTEM_NS, USER_NS = "loraplex", f"lpx-{RUN}", f"lpx-qs-{RUN}"
+READY_TIMEOUT_S = 900  # image start, model generation, the CPU kernel's first build, on 2 cores
+CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev"]
+
+
+def _adapters() -> list[str]:
+    docs = yaml.safe_load_all((QUICKSTART / "loradeployments.yaml").read_text())
+    return [d["metadata"]["name"] for d in docs if d]
+
+
+ADAPTERS = _adapters()
+
+
+def _values() -> dict[str, Any]:
+    values: dict[str, Any] = {"router": {"pool": POOL}}
+    extra = os.environ.get("LORAPLEX_E2E_VALUES")
+    if extra:
+        for key, value in yaml.safe_load(Path(extra).read_text()).items():
+            values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
+    return values
+
+
+@pytest.fixture(scope="module")
+def report() -> Iterator[dict[str, Any]]:
+    figures: dict[str, Any] = {"run": RUN}
+    yield figures
+    if os.environ.get("LORAPLEX_E2E_REPORT"):
+        Path(os.environ["LORAPLEX_E2E_REPORT"]).write_text(json.dumps(figures, indent=2))
+
+
+@pytest.fixture(scope="module")
+def images(report: dict[str, Any]) -> None:
+    flags = os.environ.get("LORAPLEX_E2E_BUILD_FLAGS")
+    if flags is None:
+        return
+    out = subprocess.run([str(ROOT / "scripts" / "build-images.sh"), *shlex.split(flags)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=5400)
+    assert out.returncode == 0, out.stderr[-6000:]
+    report["images"] = [dict(zip(("image", "size", "build"), line.split("\t"), strict=True))
+                        for line in out.stdout.splitlines() if line.count("\t") == 2]
+
+
+class Release:
+    """The chart installed with Helm's own library, as `helm install` would."""
+
+    def __init__(self) -> None:
+        self.helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
+        self.values = _values()
+        self.installed = False
+
+    def config(self):
+        return self.helm.Config(kubeconfig_path=os.environ["KUBECONFIG"], namespace=SYSTEM_NS)
+
+    def install(self) -> None:
+        _adopt_existing_crds()
+        with self.config() as cfg:
+            assert cfg.install(str(CHART), RELEASE, self.values, namespace=SYSTEM_NS, create_namespace=True,
+                               timeout=300)["status"] == "deployed"
+        self.installed = True
+
+    def upgrade(self, values: dict[str, Any]) -> dict[str, Any]:
+        self.values = {**self.values, **values}
+        with self.config() as cfg:
+            return cfg.upgrade(str(CHART), RELEASE, self.values, namespace=SYSTEM_NS, timeout=300)
+
+    def uninstall(self) -> None:
+        with self.config() as cfg:
+            cfg.uninstall(RELEASE, timeout=300)
+        self.installed = False
+
+
+def _adopt_existing_crds() -> None:
+    """CRDs another install left (they are kept on uninstall) join this release, as Helm requires."""
+    for crd in CRDS:
+        if kubectl("get", "crd", crd, check=False).returncode == 0:
+            kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
+            kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={RELEASE}",
+                    f"meta.helm.sh/release-namespace={SYSTEM_NS}")
+
+
+@dataclass
+class Outcomes:
+    """What a closed loop of clients saw: completed requests, and failures before or after the first
+    streamed chunk (only the latter may happen when a server goes away)."""
+
+    ok: int = 0
+    lost: list[str] = field(default_factory=list)
+    broken_streams: list[str] = field(default_factory=list)
+
+
+class Traffic:
+    """Clients sending plain and streamed completions to every adapter until stopped."""
+
+    def __init__(self, url: str, clients: int = 3) -> None:
+        self.url, self.outcomes, self._stop = url, Outcomes(), threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+
+    def __enter__(self) -> Traffic:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(180)
+
+    def _loop(self, index: int) -> None:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        n = index
+        while not self._stop.is_set():
+            model, n = ADAPTERS[n % len(ADAPTERS)], n + 1
+            self._one(client, model, stream=n % 2 == 0)
+
+    def _one(self, client: openai.OpenAI, model: str, stream: bool) -> None:
+        started = False
+        try:
+            if stream:
+                for _chunk in client.completions.create(model=model, prompt="def f(x):", max_tokens=16,
+                                                        stream=True):
+                    started = True
+            else:
+                client.completions.create(model=model, prompt="def f(x):", max_tokens=16)
+        except openai.OpenAIError as exc:
+            with self._lock:
+                (self.outcomes.broken_streams if started else self.outcomes.lost).append(f"{model}: {exc}")
+            return
+        with self._lock:
+            self.outcomes.ok += 1
+
+
+@contextmanager
+def _router_url() -> Iterator[str]:
+    """The router Service: its ClusterIP where this machine reaches it (it is the node), else a
+    `kubectl port-forward` to it."""
+    service = get_json("service", f"{RELEASE}-loraplex-router", namespace=SYSTEM_NS)
+    try:
+        socket.create_connection((service["spec"]["clusterIP"], 80), timeout=3).close()
+    except OSError:
+        with _port_forward() as url:
+            yield url
+        return
+    yield f"http://{service['spec']['clusterIP']}"
+
+
+@contextmanager
+def _port_forward() -> Iterator[str]:
+    port = free_port()
+    forward = subprocess.Popen(["kubectl", "-n", SYSTEM_NS, "port-forward", f"svc/{RELEASE}-loraplex-router",
+                                f"{port}:80"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        forward.terminate()
+        forward.wait(10)
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _serves(url: str, model: str) -> bool:
+    try:
+        return bool(_client(url).completions.create(model=model, prompt="def", max_tokens=2).choices)
+    except openai.OpenAIError:
+        return False
+
+
+def _phases() -> dict[str, str]:
+    items = get_json(f"loradeployments.{GROUP}", namespace=USER_NS).get("items", [])
+    return {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in items}
+
+
+def _pool_status() -> dict[str, Any]:
+    return get_json(f"adapterpools.{GROUP}", POOL, namespace=USER_NS).get("status") or {}
+
+
+def _ready_agents() -> int:
+    sts = get_json("statefulset", POOL, namespace=USER_NS)
+    return (sts.get("status") or {}).get("readyReplicas", 0)
+
+
+@pytest.fixture(scope="module")
+def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
+    chart = Release()
+    started = time.monotonic()
+    chart.install()
+    report["install_s"] = round(time.monotonic() - started, 1)
+    report["install_started"] = started
+    try:
+        yield chart
+    finally:
+        if chart.installed:
+            kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
+                    namespace=USER_NS, check=False)
+            chart.uninstall()
+        for kind in (f"loradeployments.{GROUP}", f"adapterpools.{GROUP}"):  # no operator left to finalize
+            for name in kubectl("get", kind, "-o", "name", namespace=USER_NS, check=False).stdout.split():
+                kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":[]}}', namespace=USER_NS,
+                        check=False)
+        for ns in (USER_NS, SYSTEM_NS):
+            kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def quickstart(release: Release, report: dict[str, Any]) -> Iterator[str]:
+    """The quick start applied as the README says (in a namespace of its own, away from the chart's),
+    every LoRADeployment Ready, and the router Service's URL."""
+    kubectl("create", "namespace", USER_NS)
+    kubectl("apply", "-f", str(QUICKSTART), namespace=USER_NS)
+    wait_for("every LoRADeployment Ready", lambda: set(_phases().values()) == {"Ready"} and len(_phases()) == 4,
+             timeout=READY_TIMEOUT_S, interval=2)
+    report["ready_after_install_s"] = round(time.monotonic() - report["install_started"], 1)
+    with _router_url() as url:
+        wait_for("a first completion", lambda: _serves(url, ADAPTERS[0]), timeout=120)
+        report["first_completion_after_install_s"] = round(time.monotonic() - report["install_started"], 1)
+        yield url
+
+
+def test_every_adapter_serves_completions_and_streams(quickstart: str) -> None:
+    client = _client(quickstart)
+    served = {m.id for m in client.models.list().data}
+    assert set(ADAPTERS) | {POOL} <= served
+    for model in [*ADAPTERS, POOL]:
+        text = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=8, temperature=0)
+        assert text.usage.completion_tokens > 0, model
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=8, stream=True))
+        assert chunks and chunks[-1].choices[-1].finish_reason in {"length", "stop"}, model
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-adapter", prompt="x", max_tokens=1)
+
+
+def test_the_port_forward_of_the_readme_reaches_the_router(quickstart: str) -> None:
+    with _port_forward() as url:
+        wait_for("the port-forward", lambda: _serves(url, ADAPTERS[1]), timeout=60)
+
+
+def _targets(service_ns: str, service_name: str, port_name: str) -> list[Target]:
+    """The Service's pods on its named port, as Prometheus' endpoints role would discover them."""
+    service = get_json("service", service_name, namespace=service_ns)
+    target_port = next(p for p in service["spec"]["ports"] if p["name"] == port_name)["targetPort"]
+    selector = ",".join(f"{k}={v}" for k, v in service["spec"]["selector"].items())
+    pods = [p for p in get_json("pods", "-l", selector, namespace=service_ns).get("items", []) if p["status"].get("podIP")]
+    return [Target(address=f"{pod['status']['podIP']}:{_container_port(pod, target_port)}", namespace=service_ns,
+                   service=service_name, pod=pod["metadata"]["name"], port_name=port_name,
+                   service_labels=service["metadata"].get("labels", {}), pod_labels=pod["metadata"].get("labels", {}))
+            for pod in pods]
+
+
+def _container_port(pod: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", []) if p.get("name") == port)
+
+
+def test_the_dashboard_queries_are_answered_by_a_prometheus_scraping_the_pods(quickstart: str, tmp_path) -> None:
+    binary = require_tool("prometheus", "apt-get install prometheus")
+    helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
+    values = {**_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
+    rendered = helm.Chart.load(str(CHART)).render(values=values, name=RELEASE, namespace=SYSTEM_NS)
+    monitors = [d for text in rendered.values() for d in yaml.safe_load_all(text) if d and d["kind"] == "ServiceMonitor"]
+    targets = _targets(SYSTEM_NS, f"{RELEASE}-loraplex-router", "http") + _targets(USER_NS, POOL, "http")
+    jobs = [job for monitor in monitors for job in scrape_jobs(monitor, targets)]
+    server = Prometheus(binary, jobs, tmp_path, free_port()).start()
+    try:
+        for _ in range(2):
+            with Traffic(quickstart, clients=2):
+                time.sleep(4)
+            server.wait_scraped_since(time.time(), jobs=2, timeout_s=60)
+        for title, expr in queries():
+            check_panel(server, title, expr, POOL)
+    finally:
+        server.stop()
+
+
+def test_an_agent_pod_deleted_under_traffic_loses_no_request_and_rejoins(quickstart: str, report) -> None:
+    with Traffic(quickstart) as traffic:
+        time.sleep(3)
+        kubectl("delete", "pod", f"{POOL}-0", "--wait=false", namespace=USER_NS)
+        wait_for("the pod to go", lambda: _ready_agents() < 2, timeout=120)
+        time.sleep(5)
+    outcomes = traffic.outcomes
+    report["agent_deleted"] = {"ok": outcomes.ok, "lost": len(outcomes.lost), "broken_streams": len(outcomes.broken_streams)}
+    assert outcomes.ok > 0 and outcomes.lost == [], outcomes.lost[:5]
+    wait_for("the pod to come back Ready", lambda: _ready_agents() == 2, timeout=READY_TIMEOUT_S, interval=2)
+    wait_for("the pool to count it", lambda: _pool_status().get("readyReplicas") == 2, timeout=120)
+    with Traffic(quickstart) as traffic:
+        time.sleep(5)
+    assert traffic.outcomes.lost == [] and traffic.outcomes.broken_streams == []
+
+
+def test_a_restarted_operator_takes_over_and_readies_a_new_adapter(quickstart: str, report) -> None:
+    kubectl("delete", "pod", "-l", "app.kubernetes.io/component=operator", "--wait=true", namespace=SYSTEM_NS)
+    kubectl("rollout", "status", f"deployment/{RELEASE}-loraplex-operator", "--timeout=300s", namespace=SYSTEM_NS)
+    started = time.monotonic()
+    doc = next(d for d in yaml.safe_load_all((QUICKSTART / "loradeployments.yaml").read_text()) if d)
+    doc["metadata"]["name"] = "lora00-copy"
+    kubectl("apply", "-f", "-", namespace=USER_NS, stdin=yaml.safe_dump(doc))
+    wait_for("the new adapter Ready", lambda: _phases().get("lora00-copy") == "Ready", timeout=180, interval=1)
+    wait_for("the new adapter served", lambda: _serves(quickstart, "lora00-copy"), timeout=60)
+    report["new_adapter_after_operator_restart_s"] = round(time.monotonic() - started, 1)
+
+
+def test_serving_resumes_after_a_redis_restart(quickstart: str, report) -> None:
+    kubectl("delete", "pod", "-l", "app.kubernetes.io/component=redis", "--wait=true", namespace=SYSTEM_NS)
+    started = time.monotonic()
+    kubectl("rollout", "status", f"deployment/{RELEASE}-loraplex-redis", "--timeout=300s", namespace=SYSTEM_NS)
+    wait_for("every adapter served again", lambda: all(_serves(quickstart, m) for m in ADAPTERS), timeout=180)
+    report["serving_after_redis_restart_s"] = round(time.monotonic() - started, 1)
+
+
+def test_the_pool_scales_up_and_down_without_losing_requests(quickstart: str) -> None:
+    kubectl("patch", f"adapterpools.{GROUP}", POOL, "--type=merge", "-p", '{"spec":{"servers":{"replicas":3}}}',
+            namespace=USER_NS)
+    wait_for("a third agent Ready", lambda: _ready_agents() == 3, timeout=READY_TIMEOUT_S, interval=2)
+    wait_for("the pool to count it", lambda: _pool_status().get("readyReplicas") == 3, timeout=120)
+    with Traffic(quickstart) as traffic:
+        kubectl("patch", f"adapterpools.{GROUP}", POOL, "--type=merge", "-p", '{"spec":{"servers":{"replicas":2}}}',
+                namespace=USER_NS)
+        wait_for("back to two agents", lambda: len(get_json("pods", "-l", f"loraplex.io/pool={POOL}",
+                                                             namespace=USER_NS).get("items", [])) == 2, timeout=180)
+        time.sleep(3)
+    assert traffic.outcomes.ok > 0 and traffic.outcomes.lost == [], traffic.outcomes.lost[:5]
+
+
+def test_a_deleted_adapter_is_no_longer_served(quickstart: str) -> None:
+    kubectl("delete", f"loradeployments.{GROUP}", "lora00-copy", ADAPTERS[-1], namespace=USER_NS)
+    wait_for("the router to forget them", lambda: not _serves(quickstart, ADAPTERS[-1]), timeout=120)
+    with pytest.raises(openai.NotFoundError):
+        _client(quickstart).completions.create(model="lora00-copy", prompt="x", max_tokens=1)
+    assert all(_serves(quickstart, m) for m in ADAPTERS[:-1])
+
+
+def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, release: Release) -> None:
+    upgraded = release.upgrade({"router": {**release.values["router"], "ttfbDeadline": 20}})
+    assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
+    kubectl("rollout", "status", f"deployment/{RELEASE}-loraplex-router", "--timeout=300s", namespace=SYSTEM_NS)
+    router = get_json("deployment", f"{RELEASE}-loraplex-router", namespace=SYSTEM_NS)
+    assert "--ttfb-deadline=20" in router["spec"]["template"]["spec"]["containers"][0]["args"]
+    wait_for("serving after the upgrade", lambda: all(_serves(quickstart, m) for m in ADAPTERS[:-1]), timeout=120)
+
+
+def test_helm_uninstall_keeps_the_crds_and_the_users_objects(quickstart: str, release: Release) -> None:
+    release.uninstall()
+    for crd in CRDS:
+        assert "deletionTimestamp" not in get_json("crd", crd)["metadata"], crd
+    assert _pool_status() and set(_phases()) == set(ADAPTERS[:-1])
+    wait_for("the release's workloads to go", lambda: not kubectl("get", "deployment", "-o", "name",
+                                                                   namespace=SYSTEM_NS).stdout.strip(), timeout=120)
