@@ -1,11 +1,11 @@
-# syntax=docker/dockerfile:1.7
 # One Dockerfile, one image per role, each a build target (scripts/build-images.sh builds them all):
 #   router     slim: no torch                     loraplex-router:<version>
 #   operator   slim: no torch                     loraplex-operator:<version>
 #   agent      the engine on CUDA (torch + Triton) loraplex-agent:<version>
 #   agent-cpu  the engine on CPU (torch CPU build) loraplex-agent-cpu:<version>
 # The sources become a wheel in the build stage; the role images install it with the extras they
-# need and run as a non-root user (uid 10001) from a working directory outside site-packages.
+# need (a plain COPY of the wheel: no BuildKit-only syntax, so docker and buildah both build it) and
+# run as a non-root user (uid 10001) from a working directory outside site-packages.
 # Every build argument below can be overridden, e.g. PYTHON_IMAGE for a registry mirror or an
 # air-gapped stand-in, TORCH_INDEX_URL for a local package mirror.
 
@@ -33,7 +33,8 @@ COPY kernels ./kernels
 RUN pip wheel --no-deps --wheel-dir /wheels . && ls /wheels/loraplex-*.whl
 
 FROM base AS operator
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex operator
+COPY --from=build /wheels /wheels
+RUN install-loraplex operator && rm -rf /wheels
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8080
@@ -41,7 +42,8 @@ ENTRYPOINT ["loraplex"]
 CMD ["operator"]
 
 FROM base AS router
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex router
+COPY --from=build /wheels /wheels
+RUN install-loraplex router && rm -rf /wheels
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8080
@@ -63,7 +65,8 @@ ARG TORCH_VERSION=2.13.0
 ARG TRITON_VERSION=3.6.0
 RUN pip install "torch==${TORCH_VERSION}" \
  && pip install --no-deps "triton==${TRITON_VERSION}"
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex agent,kernels
+COPY --from=build /wheels /wheels
+RUN install-loraplex agent,kernels && rm -rf /wheels
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8000
@@ -75,9 +78,12 @@ CMD ["agent", "--help"]
 FROM agent-base AS agent-cpu
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A mirror of that index served over plain http names its host here (pip reads the variable).
+ARG PIP_TRUSTED_HOST=""
 RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && python -c "import torch; assert not torch.version.cuda, 'a CUDA build of torch'; print('torch', torch.__version__)"
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels install-loraplex agent,kernels
+COPY --from=build /wheels /wheels
+RUN install-loraplex agent,kernels && rm -rf /wheels
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8000

@@ -56,10 +56,7 @@ case "$load" in
   *) die "--load must be kind, minikube or containerd, not '$load'" ;;
 esac
 
-image_size() {
-  if [[ "$tool" == docker ]]; then docker image inspect --format '{{.Size}}' "$1"
-  else buildah inspect --format '{{.FromImageSize}}' "$1" 2>/dev/null || buildah images --format '{{.Size}}' "$1"; fi
-}
+image_size() { "$tool" images --format '{{.Size}}' "$1" | head -n 1; }
 
 load_image() {
   local image=$1 archive
@@ -82,6 +79,6 @@ for role in "${roles[@]}"; do
   echo "building $image (target $role, $tool)" >&2
   "${build[@]}" "${build_args[@]}" --target "$role" -t "$image" -f Dockerfile . >&2 \
     || die "building $image failed (the output above says where)"
-  printf '%s\t%s bytes\t%ss\n' "$image" "$(image_size "$image")" "$((SECONDS - started))"
+  printf '%s\t%s\t%ss\n' "$image" "$(image_size "$image")" "$((SECONDS - started))"
   if [[ -n "$load" ]]; then load_image "$image"; echo "loaded $image into $load" >&2; fi
 done

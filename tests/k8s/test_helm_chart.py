@@ -66,6 +66,8 @@ VALUE_SETS = {
                        "crds": {"install": False}, "metrics": {"grafanaDashboard": {"enabled": False}}},
     "secured": {"redis": {"auth": {"existingSecret": "redis-auth"}}, "networkPolicy": {"enabled": True},
                 "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}]},
+    # the documented value files (README, docs/kubernetes.md)
+    **{f"examples/{p.name}": yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples" / "helm").glob("*.yaml"))},
 }
 
 

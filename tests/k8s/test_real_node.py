@@ -55,6 +55,7 @@ QUICKSTART = ROOT / "examples" / "quickstart-cpu"
 POOL = "tiny"
 RUN = uuid.uuid4().hex[:5]
 RELEASE, SYSTEM_NS, USER_NS = "loraplex", f"lpx-{RUN}", f"lpx-qs-{RUN}"
+ROUTER = "loraplex-router"  # the release name holds the chart's, so objects are named loraplex-<part>
 READY_TIMEOUT_S = 900  # image start, model generation, the CPU kernel's first build, on 2 cores
 CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev"]
@@ -69,7 +70,7 @@ ADAPTERS = _adapters()
 
 
 def _values() -> dict[str, Any]:
-    values: dict[str, Any] = {"router": {"pool": POOL}}
+    values: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "helm" / "values-cpu.yaml").read_text())
     extra = os.environ.get("LORAPLEX_E2E_VALUES")
     if extra:
         for key, value in yaml.safe_load(Path(extra).read_text()).items():
@@ -191,7 +192,7 @@ class Traffic:
 def _router_url() -> Iterator[str]:
     """The router Service: its ClusterIP where this machine reaches it (it is the node), else a
     `kubectl port-forward` to it."""
-    service = get_json("service", f"{RELEASE}-loraplex-router", namespace=SYSTEM_NS)
+    service = get_json("service", ROUTER, namespace=SYSTEM_NS)
     try:
         socket.create_connection((service["spec"]["clusterIP"], 80), timeout=3).close()
     except OSError:
@@ -204,7 +205,7 @@ def _router_url() -> Iterator[str]:
 @contextmanager
 def _port_forward() -> Iterator[str]:
     port = free_port()
-    forward = subprocess.Popen(["kubectl", "-n", SYSTEM_NS, "port-forward", f"svc/{RELEASE}-loraplex-router",
+    forward = subprocess.Popen(["kubectl", "-n", SYSTEM_NS, "port-forward", f"svc/{ROUTER}",
                                 f"{port}:80"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -318,7 +319,7 @@ def test_the_dashboard_queries_are_answered_by_a_prometheus_scraping_the_pods(qu
     values = {**_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
     rendered = helm.Chart.load(str(CHART)).render(values=values, name=RELEASE, namespace=SYSTEM_NS)
     monitors = [d for text in rendered.values() for d in yaml.safe_load_all(text) if d and d["kind"] == "ServiceMonitor"]
-    targets = _targets(SYSTEM_NS, f"{RELEASE}-loraplex-router", "http") + _targets(USER_NS, POOL, "http")
+    targets = _targets(SYSTEM_NS, ROUTER, "http") + _targets(USER_NS, POOL, "http")
     jobs = [job for monitor in monitors for job in scrape_jobs(monitor, targets)]
     server = Prometheus(binary, jobs, tmp_path, free_port()).start()
     try:
@@ -350,7 +351,7 @@ def test_an_agent_pod_deleted_under_traffic_loses_no_request_and_rejoins(quickst
 
 def test_a_restarted_operator_takes_over_and_readies_a_new_adapter(quickstart: str, report) -> None:
     kubectl("delete", "pod", "-l", "app.kubernetes.io/component=operator", "--wait=true", namespace=SYSTEM_NS)
-    kubectl("rollout", "status", f"deployment/{RELEASE}-loraplex-operator", "--timeout=300s", namespace=SYSTEM_NS)
+    kubectl("rollout", "status", "deployment/loraplex-operator", "--timeout=300s", namespace=SYSTEM_NS)
     started = time.monotonic()
     doc = next(d for d in yaml.safe_load_all((QUICKSTART / "loradeployments.yaml").read_text()) if d)
     doc["metadata"]["name"] = "lora00-copy"
@@ -363,7 +364,7 @@ def test_a_restarted_operator_takes_over_and_readies_a_new_adapter(quickstart: s
 def test_serving_resumes_after_a_redis_restart(quickstart: str, report) -> None:
     kubectl("delete", "pod", "-l", "app.kubernetes.io/component=redis", "--wait=true", namespace=SYSTEM_NS)
     started = time.monotonic()
-    kubectl("rollout", "status", f"deployment/{RELEASE}-loraplex-redis", "--timeout=300s", namespace=SYSTEM_NS)
+    kubectl("rollout", "status", "deployment/loraplex-redis", "--timeout=300s", namespace=SYSTEM_NS)
     wait_for("every adapter served again", lambda: all(_serves(quickstart, m) for m in ADAPTERS), timeout=180)
     report["serving_after_redis_restart_s"] = round(time.monotonic() - started, 1)
 
@@ -393,8 +394,8 @@ def test_a_deleted_adapter_is_no_longer_served(quickstart: str) -> None:
 def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, release: Release) -> None:
     upgraded = release.upgrade({"router": {**release.values["router"], "ttfbDeadline": 20}})
     assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
-    kubectl("rollout", "status", f"deployment/{RELEASE}-loraplex-router", "--timeout=300s", namespace=SYSTEM_NS)
-    router = get_json("deployment", f"{RELEASE}-loraplex-router", namespace=SYSTEM_NS)
+    kubectl("rollout", "status", f"deployment/{ROUTER}", "--timeout=300s", namespace=SYSTEM_NS)
+    router = get_json("deployment", ROUTER, namespace=SYSTEM_NS)
     assert "--ttfb-deadline=20" in router["spec"]["template"]["spec"]["containers"][0]["args"]
     wait_for("serving after the upgrade", lambda: all(_serves(quickstart, m) for m in ADAPTERS[:-1]), timeout=120)
 
