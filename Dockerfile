@@ -58,15 +58,18 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 # CUDA: PyPI's torch is the CUDA build and carries its CUDA runtime as pip packages. Triton is
-# pinned to the version the kernels are tested with (its interpreter runs them in CI); torch's own
-# pin is replaced on purpose, hence --no-deps for that one package.
+# pinned to the version the kernels are tested with (its interpreter runs them in CI) in place of
+# the one torch asks for (the engine does not use torch.compile, the only user of torch's pin). It
+# goes in last, with --no-deps, since any later install would put torch's pin back.
 FROM agent-base AS agent
 ARG TORCH_VERSION=2.13.0
 ARG TRITON_VERSION=3.6.0
-RUN pip install "torch==${TORCH_VERSION}" \
- && pip install --no-deps "triton==${TRITON_VERSION}"
+RUN pip install "torch==${TORCH_VERSION}"
 COPY --from=build /wheels /wheels
-RUN install-loraplex agent,kernels && rm -rf /wheels
+RUN install-loraplex agent,kernels && rm -rf /wheels \
+ && pip install --no-deps "triton==${TRITON_VERSION}" \
+ && python -c "import torch, triton; assert triton.__version__ == '${TRITON_VERSION}', triton.__version__; \
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)"
 USER 10001
 WORKDIR /home/loraplex
 EXPOSE 8000
