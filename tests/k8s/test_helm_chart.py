@@ -141,7 +141,7 @@ def test_namespaced_operator_gets_roles_and_monitors() -> None:
     assert "--namespace=team-a" in operator_args and "--namespace=team-b" in operator_args
     router = deployments["lp-loraplex-router"]
     assert "--api-keys=/etc/loraplex/api-keys.yaml" in router["containers"][0]["args"]
-    assert router["volumes"] == [{"name": "api-keys", "secret": {"secretName": "router-keys"}}]
+    assert router["volumes"] == [{"name": "tmp", "emptyDir": {}}, {"name": "api-keys", "secret": {"secretName": "router-keys"}}]
 
 
 def test_redis_auth_network_policies_and_pull_secrets() -> None:

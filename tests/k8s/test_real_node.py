@@ -14,6 +14,7 @@ cluster:
                               e.g. "--tool buildah --load containerd"; unset: they are on the node
     LORAPLEX_E2E_VALUES       a YAML file of more chart values (e.g. redis.image on an air-gapped node)
     LORAPLEX_E2E_REPORT       a JSON file for the figures (docs/benchmarks.md)
+    LORAPLEX_E2E_LOGS         a folder for every Loraplex pod's log, kept before the namespaces go
 
 The router Service is reached at its ClusterIP when this machine is the node (kube-proxy's rules
 apply to it), else through `kubectl port-forward`, as the README does.
@@ -239,6 +240,22 @@ def _ready_agents() -> int:
     return (sts.get("status") or {}).get("readyReplicas", 0)
 
 
+def _keep_logs() -> None:
+    """Every Loraplex pod's log (and the previous container's), into LORAPLEX_E2E_LOGS if set."""
+    folder = os.environ.get("LORAPLEX_E2E_LOGS")
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for ns in (SYSTEM_NS, USER_NS):
+        for pod in kubectl("get", "pods", "-o", "name", namespace=ns, check=False).stdout.split():
+            for previous in ("", "--previous"):
+                out = kubectl("logs", pod, "--all-containers", *([previous] if previous else []), namespace=ns,
+                              check=False)
+                if out.stdout:
+                    name = f"{ns}_{pod.removeprefix('pod/')}{previous.replace('--', '_')}.log"
+                    (Path(folder) / name).write_text(out.stdout)
+
+
 @pytest.fixture(scope="module")
 def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
     chart = Release()
@@ -249,6 +266,7 @@ def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
     try:
         yield chart
     finally:
+        _keep_logs()
         if chart.installed:
             kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
                     namespace=USER_NS, check=False)
@@ -318,7 +336,8 @@ def test_the_dashboard_queries_are_answered_by_a_prometheus_scraping_the_pods(qu
     helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
     values = {**_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
     rendered = helm.Chart.load(str(CHART)).render(values=values, name=RELEASE, namespace=SYSTEM_NS)
-    monitors = [d for text in rendered.values() for d in yaml.safe_load_all(text) if d and d["kind"] == "ServiceMonitor"]
+    monitors = [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
+                for d in yaml.safe_load_all(text) if d and d["kind"] == "ServiceMonitor"]
     targets = _targets(SYSTEM_NS, ROUTER, "http") + _targets(USER_NS, POOL, "http")
     jobs = [job for monitor in monitors for job in scrape_jobs(monitor, targets)]
     server = Prometheus(binary, jobs, tmp_path, free_port()).start()
@@ -347,6 +366,19 @@ def test_an_agent_pod_deleted_under_traffic_loses_no_request_and_rejoins(quickst
     with Traffic(quickstart) as traffic:
         time.sleep(5)
     assert traffic.outcomes.lost == [] and traffic.outcomes.broken_streams == []
+
+
+def test_an_agent_pod_killed_under_traffic_loses_no_request_before_its_first_byte(quickstart: str, report) -> None:
+    """No grace: the container is killed with its requests; those not yet answered are retried on
+    the other server, only streams already under way may break."""
+    with Traffic(quickstart) as traffic:
+        time.sleep(3)
+        kubectl("delete", "pod", f"{POOL}-1", "--grace-period=0", "--force", namespace=USER_NS)
+        time.sleep(10)
+    outcomes = traffic.outcomes
+    report["agent_killed"] = {"ok": outcomes.ok, "lost": len(outcomes.lost), "broken_streams": len(outcomes.broken_streams)}
+    assert outcomes.ok > 0 and outcomes.lost == [], outcomes.lost[:5]
+    wait_for("the pod to come back Ready", lambda: _ready_agents() == 2, timeout=READY_TIMEOUT_S, interval=2)
 
 
 def test_a_restarted_operator_takes_over_and_readies_a_new_adapter(quickstart: str, report) -> None:
