@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import import_module
 from importlib.metadata import entry_points
 
 Configure = Callable[[argparse.ArgumentParser], None]
@@ -49,6 +50,15 @@ class CommandRegistry:
             parser = parent.subparsers.add_parser(name, help=f"{name} commands")
             parent.children[name] = _Group(parser, parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
         return parent.children[name]
+
+
+def run_module(module: str) -> Run:
+    """A command's run that imports `module` (and what it needs: torch, kopf...) only when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        return import_module(module).run(args)
+
+    return run
 
 
 def build_registry() -> CommandRegistry:

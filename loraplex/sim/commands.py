@@ -150,38 +150,6 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
     return run.results, run.summary, run.info
 
 
-def serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", required=True, help="trace file (JSONL)")
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--model", default=None, help="model name for requests without an adapter")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--vocab-size", type=int, default=1000, help="random prompt token ids are drawn below this")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results JSONL (default: results-<trace stem>.jsonl)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from loraplex.sim.loadgen import run
-
-    return run(args)
-
-
-def report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="results files of `bench serve` or `sim run --out`")
-    p.add_argument("--plots", default=None, help="folder for CDF and over-time PNGs (needs matplotlib)")
-    p.add_argument("--slo-ttft", type=float, default=None)
-
-
-def run_report(args: argparse.Namespace) -> int:
-    from loraplex.sim.report import run
-
-    return run(args)
-
-
-
 def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")

@@ -16,10 +16,6 @@ def register(registry: CommandRegistry) -> None:
                  _run_operator)
     registry.add("crds generate", "Write the CustomResourceDefinitions generated from loraplex.spec.crd",
                  _crds_args, _run_crds)
-    from loraplex_operator import bench_scale  # stdlib-only at import; kubernetes and redis load in run
-
-    registry.add("bench operator-scale", "the operator at scale on a real API server (heartbeating test agents)",
-                 bench_scale.configure, bench_scale.run)
 
 
 def _operator_args(p: argparse.ArgumentParser) -> None:

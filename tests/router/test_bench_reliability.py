@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from loraplex_router.bench_reliability import Sent, _summary, run
+from loraplex_bench.reliability import Sent, _summary, run
 
 from loraplex.cli import CommandError
 

@@ -1,6 +1,6 @@
 """`loraplex bench memory`, real-engine side: the memory policies on the tiny model, made locally.
 
-The command itself (arguments, the twin side, tables, JSON) is `loraplex.sim.memory_compare`;
+The command itself (arguments, the twin side, tables, JSON) is `loraplex_bench.memory_compare`;
 this module runs the same session workload on the real engine: a fresh tiny Llama, one random
 PEFT adapter per workload adapter (ranks as the workload drew them, all seven target modules,
 fp32), and for every policy a fresh `LLM` with the same page pool, driven in wall time by
@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from loraplex_agent.model_config import ModelConfig
 
 from loraplex.cli import CommandError
 from loraplex.engine.sampling import SamplingParams
-from loraplex.sim import memory_compare
 from loraplex.sim.features import StepFeatures
-from loraplex.sim.memory_compare import PolicyResult, SideReport, Variant, session_spec
 from loraplex.sim.profile import Profile, load_profile
 from loraplex.sim.sessions import (
     PromptTokens,
@@ -42,7 +41,7 @@ from loraplex.sim.sessions import (
     run_sessions,
     summarize_sessions,
 )
-from loraplex_agent.model_config import ModelConfig
+from loraplex_bench.memory_compare import PolicyResult, SideReport, Variant, session_spec
 
 if TYPE_CHECKING:
     from loraplex_agent.llm import LLM
@@ -51,11 +50,6 @@ REFERENCE_PROFILE = "whatif-h100-llama8b"  # the GPU whose copy-to-decode ratio 
 DTYPE_BYTES = 4  # fp32
 CALIBRATION_TOKENS = 48  # decode steps timed per calibration pass
 CALIBRATION_PASSES = 3
-
-
-def run(args: argparse.Namespace) -> int:
-    """The whole command (both sides), as every agent bench module offers it."""
-    return memory_compare.run(args)
 
 
 def model_bytes(config: ModelConfig, dtype_bytes: int = DTYPE_BYTES) -> tuple[int, int]:
@@ -70,9 +64,8 @@ def model_bytes(config: ModelConfig, dtype_bytes: int = DTYPE_BYTES) -> tuple[in
 
 
 def run_engine(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
-    from transformers.utils import logging as transformers_logging
-
     from loraplex_agent.tiny_model import make_tiny_model
+    from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     reference = reference_profile(args.profile)
@@ -115,9 +108,8 @@ def scaled_pool(reference: Profile, kv_token_bytes: int, rank_bytes: int) -> int
 
 
 def _write_adapters(base_dir: Path, workload: SessionWorkload, out: Path, seed: int) -> dict[str, Path]:
-    from transformers import AutoModelForCausalLM
-
     from loraplex_agent.tiny_model import BASE_DIR_NAME, write_random_adapters
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     dirs = write_random_adapters(model, out, len(workload.adapters), list(workload.adapters.values()), seed,

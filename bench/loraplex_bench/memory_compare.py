@@ -3,7 +3,7 @@
 One run compares `unified` (one page pool, prefix cache, adapter cache, swapper), `lru-static`
 (vLLM's fixed slots) and `no-cache` (S-LoRA's drop-when-idle) on the same session workload
 (`loraplex.sim.sessions`), in the twin with a profile (default: the what-if H100 / Llama-3.1-8B
-one) and on the real engine (the tiny CPU model, `loraplex_agent.bench_memory`, which needs
+one) and on the real engine (the tiny CPU model, `loraplex_bench.memory_engine`, which needs
 torch). Every policy gets the same page pool: `lru-static` carves its slots out of it, the others
 page adapters into it. The headline is each policy's mean TTFT over `lru-static`'s (FastLibra
 reports <= 0.40x; our goal for `unified` is <= 0.35x).
@@ -14,7 +14,6 @@ This module is the twin side, the arguments, the tables and the JSON report; it 
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +21,6 @@ from typing import Any
 
 from loraplex.cli import CommandError
 from loraplex.engine.config import EngineConfig
-from loraplex.sim.bench_output import write_bench_json
 from loraplex.sim.profile import Profile
 from loraplex.sim.sessions import (
     DEFAULT_RANKS,
@@ -32,6 +30,7 @@ from loraplex.sim.sessions import (
     SessionWorkload,
     make_sessions,
 )
+from loraplex_bench.output import write_bench_json
 
 BASELINE = "lru-static"
 GOAL_RATIO = 0.35  # ours, issue 10
@@ -253,8 +252,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_side() -> Callable[[argparse.Namespace, list[Variant]], SideReport]:
-    try:  # the agent is a component the core does not depend on: found at run time, like its commands
-        module = importlib.import_module("loraplex_agent.bench_memory")
+    try:  # torch and the agent load only when the real engine runs
+        from loraplex_bench.memory_engine import run_engine
     except ImportError as exc:
         raise CommandError(f"the real-engine side needs the agent and torch ({exc}); run with --side twin") from None
-    return module.run_engine
+    return run_engine

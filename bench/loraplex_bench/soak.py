@@ -24,11 +24,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from statistics import mean
 
+from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
+
 from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
-from loraplex_router.bench_reliability import machine
-from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
-from loraplex_router.rss import RssSampler
+from loraplex_bench.reliability import machine
+from loraplex_bench.rss import RssSampler
 
 END_SAMPLES = 5  # the end's RSS: the mean of this many last samples
 PROGRESS_S = 60.0
@@ -88,7 +89,7 @@ def _soak(args: argparse.Namespace, workdir: Path) -> dict:
 def _traffic_class() -> type:
     # Imported here: the openai client is a development dependency, not the router's.
     try:
-        from loraplex_router.soak_traffic import Traffic
+        from loraplex_bench.soak_traffic import Traffic
     except ImportError as exc:
         raise CommandError(f"loraplex bench soak drives the router with the openai client: {exc}") from exc
     return Traffic

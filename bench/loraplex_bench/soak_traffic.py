@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import httpx
 import openai
 
-from loraplex_router.closed_loop import ClosedLoop
+from loraplex_bench.closed_loop import ClosedLoop
 
 GOOD_KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 BAD_KINDS = ("unknown-adapter", "too-long", "bad-json")

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from loraplex.ports import free_port
-from loraplex_agent.bench_engine import PassResult, Workload
+from loraplex_bench.engine import PassResult, Workload
 
 STARTUP_TIMEOUT_S = 300.0  # imports alone take 25-40 s on two cores
 REQUEST_TIMEOUT_S = 600.0

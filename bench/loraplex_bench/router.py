@@ -26,13 +26,13 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
+from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
 
 from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.table import RoutingTable, make_entry
-from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
 
 POOL = "bench"
 ADAPTER = "bench-adapter"
@@ -98,7 +98,7 @@ def _start_upstream(args: argparse.Namespace, workdir: Path, port: int, redis_ur
     """(URL, base model name) of the upstream server."""
     url = f"http://127.0.0.1:{port}"
     if args.upstream == "echo":
-        code = ("import uvicorn; from loraplex_router.echo_server import EchoServer; "
+        code = ("import uvicorn; from loraplex_bench.echo_server import EchoServer; "
                 f"uvicorn.run(EchoServer('upstream'), host='127.0.0.1', port={port}, log_level='warning', "
                 "access_log=False)")
         child = Child("upstream", [LORAPLEX[0], "-c", code], workdir).start()

@@ -295,7 +295,7 @@ def _run_systems(args: argparse.Namespace, model_dir: Path, adapter_dirs: dict[s
                        workloads, warmup, args.repeats)
     results = {"ours": ours, "hf": hf}
     if args.vllm:
-        from loraplex_agent.bench_vllm import VllmRunner, vllm_python
+        from loraplex_bench.engine_vllm import VllmRunner, vllm_python
 
         python = vllm_python()
         if python is None:

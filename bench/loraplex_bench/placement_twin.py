@@ -44,7 +44,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraplex.sim import placement_compare as pc
+    from loraplex_bench import placement_compare as pc
 
     setup, workloads, contenders, slo = _build(args)
     started = time.perf_counter()
@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace):
-    from loraplex.sim import placement_compare as pc
     from loraplex.sim.lengths import Lengths
     from loraplex.sim.profile import load_profile
     from loraplex.sim.rank_skew import RankSkew, SkewedWorkload
+    from loraplex_bench import placement_compare as pc
 
     try:
         profile = load_profile(args.profile)

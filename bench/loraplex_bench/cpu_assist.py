@@ -10,7 +10,7 @@ reports ~7% over all-cached.
 
 On a CPU host a copy is a memcpy, so the copy time is an EMULATION: each byte is charged at
 `--emulate-h2d-gbps`, by default calibrated so that copying an adapter costs the same multiple of
-a decode step as on the what-if H100 / Llama-3.1-8B profile (`bench_memory.calibrated_bandwidth`'s
+a decode step as on the what-if H100 / Llama-3.1-8B profile (`memory_engine.calibrated_bandwidth`'s
 rule). On CUDA copies are real and nothing is emulated.
 """
 
@@ -22,13 +22,14 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from loraplex_agent.llm import LLM
+
 from loraplex.cli import CommandError
 from loraplex.engine.request import Request
 from loraplex.engine.sampling import SamplingParams
-from loraplex.sim.bench_output import write_bench_json
 from loraplex.sim.features import StepFeatures
-from loraplex_agent.bench_memory import decode_step_seconds, model_bytes, reference_profile
-from loraplex_agent.llm import LLM
+from loraplex_bench.memory_engine import decode_step_seconds, model_bytes, reference_profile
+from loraplex_bench.output import write_bench_json
 
 RANKS = (8, 16, 32, 64)
 

@@ -27,14 +27,13 @@ is the paper's: the highest rate whose P99 TTFT meets the SLO (twin: bisection; 
 load run).
 
 This module is the twin side, the arguments, the tables and the JSON; the real engine side is
-`loraplex_agent.bench_schedulers` (torch), imported when run.
+`loraplex_bench.scheduler_engine` (torch), imported when run.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import math
 import sys
@@ -59,7 +58,6 @@ from loraplex.engine.request import Request, SampledToken
 from loraplex.engine.sampling import SamplingParams
 from loraplex.engine.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
 from loraplex.sim.arrivals import Arrivals, arrival_times
-from loraplex.sim.bench_output import write_bench_json
 from loraplex.sim.capacity import saturation_rps
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.lengths import Lengths, sample_lengths
@@ -79,6 +77,7 @@ from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest, requests_from
 from loraplex.sim.workload import Adapters, adapter_ranks
 from loraplex.spec.adapter import AdapterId
+from loraplex_bench.output import write_bench_json
 
 BASELINE = "fifo"
 DEFAULT_SCHEDULERS = ("chameleon", "fifo", "sjf", "vtc")
@@ -710,8 +709,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_side() -> Callable[[argparse.Namespace], list[Block]]:
-    try:  # the agent is a component the core does not depend on: found at run time, like its commands
-        module = importlib.import_module("loraplex_agent.bench_schedulers")
+    try:  # torch and the agent load only when the real engine runs
+        from loraplex_bench.scheduler_engine import run_engine
     except ImportError as exc:
         raise CommandError(f"the real-engine side needs the agent and torch ({exc}); run with --side twin") from None
-    return module.run_engine
+    return run_engine

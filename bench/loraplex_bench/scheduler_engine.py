@@ -1,7 +1,7 @@
 """`loraplex bench schedulers`, real-engine side: the schedulers on the tiny model, made locally.
 
 The command itself (arguments, the workload, the twin side, the sweep, tables, JSON) is
-`loraplex.sim.scheduler_compare`; this module runs the same kind of trace on the real engine: a fresh
+`loraplex_bench.scheduler_compare`; this module runs the same kind of trace on the real engine: a fresh
 tiny Llama (fp32), one random PEFT adapter per adapter the trace uses (ranks as drawn, all seven
 target modules), and for every run a fresh `LLM` driven in wall time by the twin's replay loop.
 
@@ -27,11 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from loraplex_agent.host_adapter import HostAdapter
+from loraplex_agent.model_config import ModelConfig
 
 from loraplex.cli import CommandError
-from loraplex.sim import scheduler_compare
 from loraplex.sim.replay import WaitUntil
-from loraplex.sim.scheduler_compare import (
+from loraplex.sim.trace import Trace, TraceRequest
+from loraplex.spec.adapter import AdapterId
+from loraplex_bench import memory_engine
+from loraplex_bench.scheduler_compare import (
     BASELINE,
     Block,
     RunAt,
@@ -48,11 +52,6 @@ from loraplex.sim.scheduler_compare import (
     trace_spec,
     unit_trace,
 )
-from loraplex.sim.trace import Trace, TraceRequest
-from loraplex.spec.adapter import AdapterId
-from loraplex_agent import bench_memory
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from loraplex_agent.llm import LLM
@@ -60,18 +59,12 @@ if TYPE_CHECKING:
 FIRST_TOKEN_ID = 3  # ids below are the tiny model's special tokens
 
 
-def run(args: argparse.Namespace) -> int:
-    """The whole command (both sides), as every agent bench module offers it."""
-    return scheduler_compare.run(args)
-
-
 def run_engine(args: argparse.Namespace) -> list[Block]:
+    from loraplex_agent.tiny_model import make_tiny_model
     from transformers.utils import logging as transformers_logging
 
-    from loraplex_agent.tiny_model import make_tiny_model
-
     transformers_logging.disable_progress_bar()
-    reference = bench_memory.reference_profile(args.profile)
+    reference = memory_engine.reference_profile(args.profile)
     args = argparse.Namespace(**vars(args))  # the slot count defaults to the twin's, as a copy
     args.max_loras = args.max_loras or int(reference.engine["max_loras"])
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-schedulers-") as tmp:
@@ -80,10 +73,10 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
         trace = unit_trace(trace_spec(args, "engine", config.max_position_embeddings), args.traces_dir)
         print(f"engine: writing {len(trace.adapters())} adapters ...", flush=True)
         adapters = _write_adapters(base_dir, trace.adapters(), Path(tmp) / "adapters", args.seed)
-        kv_token, per_rank = bench_memory.model_bytes(config)
-        num_blocks = args.engine_num_blocks or bench_memory.scaled_pool(reference, kv_token, per_rank)
+        kv_token, per_rank = memory_engine.model_bytes(config)
+        num_blocks = args.engine_num_blocks or memory_engine.scaled_pool(reference, kv_token, per_rank)
         # bench memory's calibration (and warm-up), so that both benches emulate the same link
-        gbps, calibration = bench_memory.calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
+        gbps, calibration = memory_engine.calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
         side = EngineSide(args, base_dir, adapters, num_blocks, gbps, config.vocab_size)
         return [_policy_block(side, trace, policy, _settings(args, trace, num_blocks, gbps, calibration))
                 for policy in parse_list(args.memory_policy, "--memory-policy", str)]
@@ -98,9 +91,8 @@ def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[st
 
 
 def _write_adapters(base_dir: Path, ranks: dict[str, int], out: Path, seed: int) -> dict[str, Path]:
-    from transformers import AutoModelForCausalLM
-
     from loraplex_agent.tiny_model import BASE_DIR_NAME, write_random_adapters
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     dirs = write_random_adapters(model, out, len(ranks), list(ranks.values()), seed, BASE_DIR_NAME)

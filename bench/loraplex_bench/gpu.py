@@ -28,19 +28,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from loraplex_agent.adapters import AdapterStore
+from loraplex_agent.device import adapter_bytes_per_rank, kv_token_bytes, resolve_device, weight_bytes
+from loraplex_agent.executor import TorchExecutor
+from loraplex_agent.host_adapter import HostAdapter
+from loraplex_agent.model_config import LORA_MODULES, ModelConfig
 
 from loraplex.cli import CommandError
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
 from loraplex.engine.sampling import SamplingParams
-from loraplex.sim.bench_output import write_bench_json
 from loraplex.spec.adapter import AdapterId, AdapterInfo
-from loraplex_agent.adapters import AdapterStore
-from loraplex_agent.device import adapter_bytes_per_rank, kv_token_bytes, resolve_device, weight_bytes
-from loraplex_agent.executor import TorchExecutor
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model_config import LORA_MODULES, ModelConfig
+from loraplex_bench.output import write_bench_json
 
 SHAPES: dict[str, dict] = {
     "llama2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,

@@ -35,11 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-from loraplex.cli import CommandError
-from loraplex.ports import free_port_block
-from loraplex.spec.crd import API_VERSION
-from loraplex_router.closed_loop import ClosedLoop
 from loraplex_router.local_stack import (
     DEFAULT_MODEL_DIR,
     LocalStack,
@@ -47,6 +42,11 @@ from loraplex_router.local_stack import (
     ensure_tiny_model,
     running_stack,
 )
+
+from loraplex.cli import CommandError
+from loraplex.ports import free_port_block
+from loraplex.spec.crd import API_VERSION
+from loraplex_bench.closed_loop import ClosedLoop
 
 SCENARIOS = ("stop", "kill", "redis")
 REDIS_DOWN_S = 5.0

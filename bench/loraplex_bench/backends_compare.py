@@ -33,11 +33,11 @@ from pathlib import Path
 
 from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
-from loraplex.sim.loadgen import Endpoint, replay_http
 from loraplex.sim.metrics import Summary, summarize, trace_duration
 from loraplex.sim.results import write_results
 from loraplex.sim.trace import Trace, read_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
+from loraplex_bench.loadgen import Endpoint, replay_http
 
 BACKENDS = ("loraplex", "vllm")
 POOL = "bench"
