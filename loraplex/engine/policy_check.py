@@ -1,5 +1,6 @@
 """Check a scheduler and memory policy by name, with their options, without starting an engine:
-what an AdapterPool's `engine` settings are validated with before any pod is made."""
+what an AdapterPool's `engine` settings are validated with before any pod is made (operator) or any
+agent is started (`loraplex up`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory_policies import make_memory
 from loraplex.engine.paged_memory import no_adapter_pages
 from loraplex.engine.schedulers import make_scheduler
+from loraplex.spec.crd import EngineSpec
 
 
 def check_policies(scheduler: str, scheduler_options: Mapping[str, str], memory_policy: str,
@@ -20,3 +22,12 @@ def check_policies(scheduler: str, scheduler_options: Mapping[str, str], memory_
     clock = ManualClock()
     memory = make_memory(config, no_adapter_pages, clock)
     make_scheduler(config, memory, lambda adapter: 1, clock)
+
+
+def engine_error(engine: EngineSpec) -> str:
+    """Why the agents would refuse an AdapterPool's engine policies or their options; '' when they would not."""
+    try:
+        check_policies(engine.scheduler, engine.scheduler_options, engine.memory_policy, engine.memory_options)
+    except ValueError as exc:
+        return str(exc)
+    return ""

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from loraplex.spec.agent_flags import agent_flags, configmap_data
 from loraplex.spec.crd import AdapterPoolSpec
 from loraplex_operator import names
 from loraplex_operator.config import OperatorConfig
@@ -96,29 +97,16 @@ def fetch_model_container(spec: AdapterPoolSpec, image: str) -> dict[str, Any] |
 
 def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, str]:
     """The ConfigMap data: environment of every agent of the pool (the args refer to it as $(VAR))."""
-    engine = spec.engine
     data = {
         "LORAPLEX_POOL": pool.name,
         "LORAPLEX_REDIS_URL": config.redis_url,
         "LORAPLEX_HEARTBEAT_TTL": f"{config.heartbeat_ttl_seconds:g}",
         "LORAPLEX_MODEL": model_path(spec.base_model.source),
-        "LORAPLEX_SERVED_MODEL_NAME": spec.base_model.name,
-        "LORAPLEX_DTYPE": spec.base_model.dtype,
-        "LORAPLEX_MAX_LORA_RANK": str(engine.max_lora_rank),
-        "LORAPLEX_MAX_LORAS": str(engine.max_loras),
-        "LORAPLEX_MAX_NUM_SEQS": str(engine.max_num_seqs),
-        "LORAPLEX_MAX_NUM_BATCHED_TOKENS": str(engine.max_num_batched_tokens),
-        "LORAPLEX_BLOCK_SIZE": str(engine.block_size),
-        "LORAPLEX_SCHEDULER": engine.scheduler,
-        "LORAPLEX_MEMORY_POLICY": engine.memory_policy,
         "LORAPLEX_ADAPTER_DIR": ADAPTERS_DIR,
         "LORAPLEX_MODEL_DIR": MODELS_DIR,
         "HF_HOME": f"{MODELS_DIR}/.hf",
+        **configmap_data(agent_flags(spec)),
     }
-    if engine.max_model_len is not None:
-        data["LORAPLEX_MAX_MODEL_LEN"] = str(engine.max_model_len)
-    if engine.kv_cache_memory_gib is not None:
-        data["LORAPLEX_KV_CACHE_MEMORY"] = f"{engine.kv_cache_memory_gib:g}"
     if uses_vllm(spec):
         data.update(vllm_settings(spec))
     return data
@@ -158,31 +146,17 @@ def build_pdb(pool: PoolRef, spec: AdapterPoolSpec) -> dict[str, Any]:
 
 
 def agent_args(spec: AdapterPoolSpec) -> list[str]:
-    """`loraplex agent` flags; values come from the ConfigMap environment so that one edit of the
-    ConfigMap (and its hash) is the whole change."""
-    if uses_vllm(spec):
-        return vllm_agent_args(spec)
-    args = ["agent", "--model", "$(LORAPLEX_MODEL)", "--served-model-name", "$(LORAPLEX_SERVED_MODEL_NAME)",
-            "--host", "0.0.0.0", "--port", str(names.AGENT_PORT), "--dtype", "$(LORAPLEX_DTYPE)",
-            "--max-lora-rank", "$(LORAPLEX_MAX_LORA_RANK)", "--max-loras", "$(LORAPLEX_MAX_LORAS)",
-            "--max-num-seqs", "$(LORAPLEX_MAX_NUM_SEQS)",
-            "--max-num-batched-tokens", "$(LORAPLEX_MAX_NUM_BATCHED_TOKENS)",
-            "--block-size", "$(LORAPLEX_BLOCK_SIZE)", "--scheduler", "$(LORAPLEX_SCHEDULER)",
+    """`loraplex agent` flags: where the agent is, then the pool's settings (loraplex.spec.agent_flags,
+    as `loraplex up` passes them), their values read from the ConfigMap environment so that one edit of
+    the ConfigMap (and its hash) is the whole change; `engine.extra_args` last."""
+    flags = [f for f in agent_flags(spec) if not f.launch_only]
+    backend = [arg for f in flags if f.flag == "--backend" for arg in f.argv()]  # first: `agent --backend vllm`
+    settings = [arg for f in flags if f.flag != "--backend" for arg in f.argv(by_env=True)]
+    return ["agent", *backend, "--model", "$(LORAPLEX_MODEL)", "--host", "0.0.0.0", "--port", str(names.AGENT_PORT),
             "--redis-url", "$(LORAPLEX_REDIS_URL)", "--pool", "$(LORAPLEX_POOL)",
             "--server-id", "$(POD_NAME)", "--advertise-url", "$(LORAPLEX_ADVERTISE_URL)",
-            "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)"]
-    if spec.engine.max_model_len is not None:
-        args += ["--max-model-len", "$(LORAPLEX_MAX_MODEL_LEN)"]
-    if spec.engine.kv_cache_memory_gib is not None:
-        args += ["--kv-cache-memory", "$(LORAPLEX_KV_CACHE_MEMORY)"]
-    args += ["--memory-policy", "$(LORAPLEX_MEMORY_POLICY)"]
-    if not spec.engine.prefix_cache:
-        args.append("--no-prefix-cache")
-    for flag, options in (("--scheduler-option", spec.engine.scheduler_options),
-                          ("--memory-option", spec.engine.memory_options)):
-        for key, value in sorted(options.items()):
-            args += [flag, f"{key}={value}"]
-    return args + list(spec.engine.extra_args)
+            "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)",
+            *(vllm_agent_args() if uses_vllm(spec) else []), *settings, *spec.engine.extra_args]
 
 
 def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loraplex.engine.policy_check import check_policies
+from loraplex.engine.policy_check import engine_error
 from loraplex.placement.snapshot import PlacementError
 from loraplex.routing import (
     DEFAULT_WINDOWS,
@@ -107,11 +107,9 @@ def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
     conflicts = volume_conflicts(spec)
     if conflicts:
         return VOLUME_CONFLICT, conflicts
-    engine = spec.engine
-    try:  # the agents would refuse these at start-up, one crash loop per pod
-        check_policies(engine.scheduler, engine.scheduler_options, engine.memory_policy, engine.memory_options)
-    except ValueError as exc:
-        return INVALID_ENGINE, f"engine: {exc}"
+    error = engine_error(spec.engine)  # the agents would refuse it at start-up, one crash loop per pod
+    if error:
+        return INVALID_ENGINE, f"engine: {error}"
     error = routing_error(pool_routing(spec))  # the router's own check: it would refuse the choice
     if error:
         return INVALID_ROUTING, f"routing: {error}"
