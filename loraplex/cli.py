@@ -10,12 +10,10 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
 
+from loraplex.spec.errors import CommandError
+
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
-
-
-class CommandError(Exception):
-    """A user-facing failure: printed as `error: <message>` and exits with status 2."""
 
 
 @dataclass
@@ -100,8 +98,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m loraplex.cli` runs this file as __main__, while the commands raise the CommandError of
-    # the module loraplex.cli: run that module's main so that it catches them (one line, no traceback).
-    from loraplex.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

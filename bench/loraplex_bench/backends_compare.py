@@ -31,12 +31,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
 from loraplex.sim.metrics import Summary, summarize, trace_duration
 from loraplex.sim.results import write_results
 from loraplex.sim.trace import Trace, read_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
+from loraplex.spec.errors import CommandError
 from loraplex_bench.loadgen import Endpoint, replay_http
 
 BACKENDS = ("loraplex", "vllm")

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from loraplex_agent.llm import LLM
 
-from loraplex.cli import CommandError
 from loraplex.engine.request import Request
 from loraplex.engine.sampling import SamplingParams
-from loraplex.sim.features import StepFeatures
+from loraplex.latency.features import StepFeatures
+from loraplex.spec.errors import CommandError
 from loraplex_bench.memory_engine import decode_step_seconds, model_bytes, reference_profile
 from loraplex_bench.output import write_bench_json
 

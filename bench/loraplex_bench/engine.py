@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loraplex.cli import CommandError
+from loraplex.spec.errors import CommandError
 
 FIRST_TOKEN_ID = 3  # skip the special tokens <s>, </s>, <unk> of the tiny model
 TARGET_SPEEDUP_VS_HF = 2.0

@@ -34,12 +34,12 @@ from loraplex_agent.executor import TorchExecutor
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.model_config import LORA_MODULES, ModelConfig
 
-from loraplex.cli import CommandError
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
 from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json
 
 SHAPES: dict[str, dict] = {

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from loraplex.cli import CommandError
 from loraplex.sim.metrics import RequestResult, summarize, trace_duration
 from loraplex.sim.results import write_results
 from loraplex.sim.trace import Trace, TraceRequest, read_trace
+from loraplex.spec.errors import CommandError
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.cli import CommandError
 from loraplex.engine.config import EngineConfig
-from loraplex.sim.profile import Profile
+from loraplex.latency.profile import Profile
 from loraplex.sim.sessions import (
     DEFAULT_RANKS,
     PromptTokens,
@@ -30,6 +29,7 @@ from loraplex.sim.sessions import (
     SessionWorkload,
     make_sessions,
 )
+from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json
 
 BASELINE = "lru-static"
@@ -143,7 +143,7 @@ def check_args(args: argparse.Namespace) -> None:
 # ---- the twin -------------------------------------------------------------------------------
 
 def run_twin(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
-    from loraplex.sim.profile import load_profile
+    from loraplex.latency.profile import load_profile
 
     try:
         profile = load_profile(args.profile)

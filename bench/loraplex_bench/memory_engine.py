@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from loraplex_agent.model_config import ModelConfig
 
-from loraplex.cli import CommandError
 from loraplex.engine.sampling import SamplingParams
-from loraplex.sim.features import StepFeatures
-from loraplex.sim.profile import Profile, load_profile
+from loraplex.latency.features import StepFeatures
+from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.sessions import (
     PromptTokens,
     SessionSummary,
@@ -41,6 +40,7 @@ from loraplex.sim.sessions import (
     run_sessions,
     summarize_sessions,
 )
+from loraplex.spec.errors import CommandError
 from loraplex_bench.memory_compare import PolicyResult, SideReport, Variant, session_spec
 
 if TYPE_CHECKING:

@@ -46,8 +46,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from loraplex.cli import CommandError
 from loraplex.ports import free_port
+from loraplex.spec.errors import CommandError
 
 GROUP, VERSION = "loraplex.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"

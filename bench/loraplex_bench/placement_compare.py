@@ -12,11 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.engine.config import EngineConfig
+from loraplex.latency.profile import Profile
 from loraplex.placement import POLICY_NAMES, OperatingPoints
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 from loraplex.sim.metrics import Slo, Summary
 from loraplex.sim.operating_points import HEADROOM, operating_points
-from loraplex.sim.profile import Profile
 from loraplex.sim.rank_skew import SkewedWorkload
 from loraplex.sim.trace import Trace
 

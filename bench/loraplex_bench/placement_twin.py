@@ -7,7 +7,7 @@ import argparse
 import json
 import time
 
-from loraplex.cli import CommandError
+from loraplex.spec.errors import CommandError
 
 WORKLOADS = ("uniform", "power", "exponential", "shifting_skew")
 
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace):
+    from loraplex.latency.profile import load_profile
     from loraplex.sim.lengths import Lengths
-    from loraplex.sim.profile import load_profile
     from loraplex.sim.rank_skew import RankSkew, SkewedWorkload
     from loraplex_bench import placement_compare as pc
 

@@ -43,9 +43,9 @@ from loraplex_router.local_stack import (
     running_stack,
 )
 
-from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
 from loraplex.spec.crd import API_VERSION
+from loraplex.spec.errors import CommandError
 from loraplex_bench.closed_loop import ClosedLoop
 
 SCENARIOS = ("stop", "kill", "redis")

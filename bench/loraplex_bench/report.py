@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.cli import CommandError
 from loraplex.sim.metrics import RequestResult, Slo, summarize
 from loraplex.sim.results import read_results
+from loraplex.spec.errors import CommandError
 
 METRICS = (("ttft_s", "TTFT"), ("tpot_s", "TBT"), ("e2e_s", "E2E"))
 

@@ -28,11 +28,11 @@ from pathlib import Path
 import httpx
 from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
 
-from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.table import RoutingTable, make_entry
+from loraplex.spec.errors import CommandError
 
 POOL = "bench"
 ADAPTER = "bench-adapter"

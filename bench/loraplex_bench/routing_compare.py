@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplex.cli import CommandError
+from loraplex.latency.profile import Profile, load_profile
 from loraplex.placement import POLICY_NAMES, OperatingPoints
 from loraplex.routing.pipeline import PROFILES
 from loraplex.routing.rank_aware import LatencyModel, RankAwareConfig
@@ -44,9 +44,9 @@ from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 from loraplex.sim.lengths import Lengths
 from loraplex.sim.metrics import Slo, Summary
 from loraplex.sim.operating_points import HEADROOM, operating_points
-from loraplex.sim.profile import Profile, load_profile
 from loraplex.sim.rank_skew import RANK_MODES, RankSkew, SkewedWorkload
 from loraplex.sim.trace import Trace
+from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json
 from loraplex_bench.placement_compare import Probe, Search, bisect_rate, ratio
 

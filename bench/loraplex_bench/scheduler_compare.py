@@ -46,8 +46,6 @@ from typing import Any, cast
 
 import numpy as np
 
-from loraplex.cli import CommandError
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.executor import Executor
@@ -57,13 +55,13 @@ from loraplex.engine.paged_memory import no_adapter_pages
 from loraplex.engine.request import Request, SampledToken
 from loraplex.engine.sampling import SamplingParams
 from loraplex.engine.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
+from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.arrivals import Arrivals, arrival_times
 from loraplex.sim.capacity import saturation_rps
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.lengths import Lengths, sample_lengths
 from loraplex.sim.metrics import RequestResult, Slo, offered_tokens, result_of, summarize, trace_duration
 from loraplex.sim.popularity import Popularity, weights
-from loraplex.sim.profile import Profile, load_profile
 from loraplex.sim.replay import (
     Prompt,
     ReplayLog,
@@ -77,6 +75,8 @@ from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest, requests_from
 from loraplex.sim.workload import Adapters, adapter_ranks
 from loraplex.spec.adapter import AdapterId
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import ManualClock
 from loraplex_bench.output import write_bench_json
 
 BASELINE = "fifo"

@@ -30,10 +30,10 @@ import torch
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.model_config import ModelConfig
 
-from loraplex.cli import CommandError
 from loraplex.sim.replay import WaitUntil
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId
+from loraplex.spec.errors import CommandError
 from loraplex_bench import memory_engine
 from loraplex_bench.scheduler_compare import (
     BASELINE,

@@ -26,8 +26,8 @@ from statistics import mean
 
 from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
 
-from loraplex.cli import CommandError
 from loraplex.ports import free_port_block
+from loraplex.spec.errors import CommandError
 from loraplex_bench.reliability import machine
 from loraplex_bench.rss import RssSampler
 

@@ -48,7 +48,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.memory_gate import MemoryGate, PageGate
@@ -62,6 +61,7 @@ from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.engine.sjf import learn_output, predict_output
 from loraplex.engine.wrs import SizeModel
 from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import Clock
 
 SPARE = -1  # `_Entry.charged_to` of a request admitted on the spare of emptied queues (or by an aged head)
 UNCHARGED = -2  # waiting: holds nothing

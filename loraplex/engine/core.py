@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.engine.clock import Clock, MonotonicClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.executor import Executor
 from loraplex.engine.memory_policies import make_memory
@@ -17,6 +16,7 @@ from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.engine.schedulers import make_scheduler
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import AdapterError, ConflictError, InvalidRequestError, NotFoundError
+from loraplex.util.clock import Clock, MonotonicClock
 
 
 @dataclass

@@ -16,9 +16,9 @@ import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.page_pool import PageKind
 from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import Clock
 
 
 class NodeKind(enum.Enum):

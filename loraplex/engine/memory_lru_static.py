@@ -7,7 +7,6 @@ invalid KV, counted in the stats)."""
 from __future__ import annotations
 
 from loraplex.engine.adapter_residency import LruResidency
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.dependency_tree import NodeKind, Tier
 from loraplex.engine.dependency_tree import TreeNode as Node
@@ -17,6 +16,7 @@ from loraplex.engine.options import options_for
 from loraplex.engine.page_pool import PageKind
 from loraplex.engine.paged_memory import AdapterPages, PagedMemory
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.util.clock import Clock
 
 LARGEST_ADAPTER = AdapterId("largest-adapter", "")  # sizes a slot: max_lora_rank, every target module
 

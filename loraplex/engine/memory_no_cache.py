@@ -4,11 +4,11 @@ and a finished request's KV is dropped (no prefix cache)."""
 
 from __future__ import annotations
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.options import options_for
 from loraplex.engine.paged_memory import AdapterPages, PagedMemory
 from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import Clock
 
 
 class NoCacheMemory(PagedMemory):

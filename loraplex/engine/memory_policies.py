@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory_lru_static import LruStaticMemory
 from loraplex.engine.memory_no_cache import NoCacheMemory
 from loraplex.engine.memory_unified import UnifiedMemory
 from loraplex.engine.paged_memory import AdapterPages, PagedMemory
+from loraplex.util.clock import Clock
 
 MEMORY_POLICIES: dict[str, type[PagedMemory]] = {"unified": UnifiedMemory, "lru-static": LruStaticMemory,
                                                   "no-cache": NoCacheMemory}

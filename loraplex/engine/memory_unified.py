@@ -15,7 +15,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.dependency_tree import NodeKind, Tier
 from loraplex.engine.dependency_tree import TreeNode as Node
@@ -28,6 +27,7 @@ from loraplex.engine.eviction_scores import (
 )
 from loraplex.engine.options import options_for
 from loraplex.engine.paged_memory import AdapterPages, PagedMemory
+from loraplex.util.clock import Clock
 
 SCORES = ("fastlibra", "chameleon", "lru")
 

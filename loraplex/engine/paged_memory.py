@@ -17,7 +17,6 @@ import heapq
 from collections.abc import Callable
 from itertools import count
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.dependency_tree import DependencyTree, NodeKind, Tier
 from loraplex.engine.dependency_tree import TreeNode as Node
@@ -27,6 +26,7 @@ from loraplex.engine.messages import AdapterLoad, ExecutorResult, KVCopy, KVSwap
 from loraplex.engine.page_pool import PageKind, PagePool
 from loraplex.engine.request import Request
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.util.clock import Clock
 
 AdapterPages = Callable[[AdapterInfo], int]
 """Device pages an adapter's weights take (the executor knows the layout; the twin, its profile)."""

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory_policies import make_memory
 from loraplex.engine.paged_memory import no_adapter_pages
 from loraplex.engine.schedulers import make_scheduler
 from loraplex.spec.crd import EngineSpec
+from loraplex.util.clock import ManualClock
 
 
 def check_policies(scheduler: str, scheduler_options: Mapping[str, str], memory_policy: str,

@@ -17,7 +17,6 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from typing import Protocol
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.messages import (
@@ -32,6 +31,7 @@ from loraplex.engine.request import FinishReason, Request, RequestStatus
 from loraplex.engine.scheduler_stats import QueueStats, SchedulerStats
 from loraplex.engine.stopping import finish_reason
 from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import Clock
 
 RankOf = Callable[[AdapterId], int]
 

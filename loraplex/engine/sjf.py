@@ -11,7 +11,6 @@ from __future__ import annotations
 from bisect import insort
 from itertools import count
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.messages import SchedulerOutput
@@ -19,6 +18,7 @@ from loraplex.engine.output_predictor import OutputLengthPredictor, PredictorOpt
 from loraplex.engine.request import FinishReason, Request
 from loraplex.engine.scheduler import Admit, BatchScheduler, RankOf, options_for
 from loraplex.engine.scheduler_stats import SchedulerStats
+from loraplex.util.clock import Clock
 
 _RESUMED, _NEW = 0, 1
 

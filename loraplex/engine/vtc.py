@@ -17,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import count
 
-from loraplex.engine.clock import Clock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.device_memory import DeviceMemory
 from loraplex.engine.messages import ExecutorResult, RequestOutput, SchedulerOutput
@@ -25,6 +24,7 @@ from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler import Admit, BatchScheduler, RankOf, adapter_key, options_for
 from loraplex.engine.scheduler_stats import SchedulerStats
 from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import Clock
 
 
 @dataclass(frozen=True)

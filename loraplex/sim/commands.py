@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from loraplex.cli import CommandError
+from loraplex.spec.errors import CommandError
 
 
 def _load_spec(args: argparse.Namespace):
@@ -102,8 +102,8 @@ def sim_args(p: argparse.ArgumentParser) -> None:
 def run_sim(args: argparse.Namespace) -> int:
     import time
 
+    from loraplex.latency.profile import load_profile
     from loraplex.sim.metrics import Slo
-    from loraplex.sim.profile import load_profile
     from loraplex.sim.results import write_results
 
     trace = _read(args.trace)

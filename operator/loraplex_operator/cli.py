@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loraplex.cli import CommandError, CommandRegistry
+from loraplex.cli import CommandRegistry
+from loraplex.spec.errors import CommandError
 
 DEFAULT_CRD_DIRS = ("crds", "helm/loraplex/files/crds")
 

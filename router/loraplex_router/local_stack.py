@@ -26,8 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.cli import CommandError
-from loraplex.engine.clock import WallClock
 from loraplex.engine.policy_check import engine_error
 from loraplex.placement.controller import PlacementController
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
@@ -40,6 +38,8 @@ from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
 from loraplex.spec.agent_flags import agent_flags
 from loraplex.spec.crd import API_VERSION, AdapterPool, AdapterPoolSpec, LoRADeployment
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import WallClock
 from loraplex_router.main import check_router_args
 from loraplex_router.manifests import (
     ManifestError,

@@ -20,7 +20,7 @@ from loraplex_bench.scheduler_compare import (
 )
 
 from loraplex.cli import main
-from loraplex.sim.profile import load_profile
+from loraplex.latency.profile import load_profile
 from loraplex.sim.replay import register_adapters
 from loraplex.sim.server import make_sim_engine, sim_prompt
 

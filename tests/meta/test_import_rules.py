@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grimp
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -75,3 +77,52 @@ def test_the_dynamic_import_check_sees_importlib_and_dunder_import(tmp_path):
     source.write_text("import importlib\nimportlib.import_module('loraplex_agent.bench')\n"
                       "__import__(f'loraplex_bench.{1}')\n")
     assert dynamic_imports(source) == ["loraplex_agent.bench", "loraplex_bench."]
+
+
+def import_circles(graph: grimp.ImportGraph) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[set[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            module, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                elif child in stack:
+                    low[module] = min(low[module], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == index[module]:
+                members: set[str] = set()
+                while module not in members:
+                    members.add(stack.pop())
+                if len(members) > 1:
+                    circles.append(members)
+    return circles
+
+
+def test_no_import_circle_spans_more_than_a_file_pair():
+    packages = ("loraplex", "loraplex_agent", "loraplex_router", "loraplex_operator", "loraplex_kernels",
+                "loraplex_bench")
+    circles = import_circles(grimp.build_graph(*packages, cache_dir=None))
+    assert [sorted(c) for c in circles if len(c) > 2] == []
+
+
+def test_the_circle_finder_finds_a_circle_of_three():
+    graph = grimp.ImportGraph()
+    for importer, imported in (("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")):
+        graph.add_import(importer=importer, imported=imported)
+    assert import_circles(graph) == [{"a", "b", "c"}]

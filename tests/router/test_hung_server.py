@@ -27,11 +27,11 @@ from loraplex_router.auth import KeyRing
 from loraplex_router.threaded_server import ThreadedServer
 from processes import wait_healthy
 
-from loraplex.engine.clock import MonotonicClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import make_profile
 from loraplex.routing.records import ServerRecord
+from loraplex.util.clock import MonotonicClock
 
 LORAPLEX = str(Path(sys.executable).parent / "loraplex")
 BASE = "tiny-base"

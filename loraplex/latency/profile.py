@@ -1,7 +1,7 @@
 """A profile: the fitted step-latency model of one (model, hardware, engine settings) triple.
 
 A profile is a versioned JSON file written by `loraplex profile` (which runs the real engine) and
-read by the simulator. Step latency is linear in the features of `loraplex.sim.features`.
+read by the simulator. Step latency is linear in the features of `loraplex.latency.features`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.engine.config import EngineConfig
-from loraplex.sim.features import FEATURES, StepFeatures
+from loraplex.latency.features import FEATURES, StepFeatures
 
 PROFILE_VERSION = 1
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
