@@ -36,6 +36,7 @@ from loraplex.sim.metrics import Summary, summarize, trace_duration
 from loraplex.sim.results import write_results
 from loraplex.sim.trace import Trace, read_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
+from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 from loraplex_bench.loadgen import Endpoint, replay_http
 
@@ -58,11 +59,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--agents", type=int, default=2, help="servers per pool")
-    p.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (both backends)")
+    add_engine_settings(p, "max_loras", max_loras={"default": 4, "help": "adapters in one batch (both backends)"})
     p.add_argument("--max-cpu-loras", type=int, default=16, help="vllm: adapters a server holds")
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=512)
+    add_engine_settings(p, "max_lora_rank", "max_num_seqs", "max_model_len", max_lora_rank={"help": None},
+                        max_num_seqs={"default": 16, "help": None}, max_model_len={"default": 512, "help": None})
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--vllm-python", default=None, help="interpreter with vllm (default: env LORAPLEX_VLLM_PYTHON, "
                    "else ./.venv-vllm)")

@@ -29,6 +29,7 @@ from loraplex.sim.sessions import (
     SessionWorkload,
     make_sessions,
 )
+from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json
 
@@ -99,8 +100,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default="cpu", help="cpu, cuda or auto (on CUDA copies are real, not emulated)")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     m = p.add_argument_group("engine memory (both sides)")
-    m.add_argument("--max-loras", type=int, default=None, help="lru-static slots (default: the profile's)")
-    m.add_argument("--max-lora-rank", type=int, default=128)
+    add_engine_settings(m, "max_loras", "max_lora_rank",
+                        max_loras={"default": None, "help": "lru-static slots (default: the profile's)"},
+                        max_lora_rank={"default": 128, "help": None})
     m.add_argument("--host-blocks", type=int, default=None, help="host KV blocks (default: as many as the device)")
     m.add_argument("--no-prefix-cache", action="store_true", help="also run unified with the prefix cache off")
 

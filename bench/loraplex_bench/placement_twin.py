@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 
+from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 
 WORKLOADS = ("uniform", "power", "exponential", "shifting_skew")
@@ -37,7 +38,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=0.125, help="azure lengths x this (tiny CPU model)")
     p.add_argument("--prompt-len", type=int, default=128, help="--lengths fixed")
     p.add_argument("--output-len", type=int, default=32, help="--lengths fixed")
-    p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
+    add_engine_settings(p, "max_loras", max_loras={"default": None, "help": "override the profile's adapter slots"})
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
     p.add_argument("--out", default=None, help="write every probe and the table as JSON")

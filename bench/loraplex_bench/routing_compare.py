@@ -46,6 +46,7 @@ from loraplex.sim.metrics import Slo, Summary
 from loraplex.sim.operating_points import HEADROOM, operating_points
 from loraplex.sim.rank_skew import RANK_MODES, RankSkew, SkewedWorkload
 from loraplex.sim.trace import Trace
+from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json
 from loraplex_bench.placement_compare import Probe, Search, bisect_rate, ratio
@@ -262,7 +263,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--prompt-len", type=int, default=512, help="--lengths fixed")
     p.add_argument("--output-len", type=int, default=128, help="--lengths fixed")
-    p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
+    add_engine_settings(p, "max_loras", max_loras={"default": None, "help": "override the profile's adapter slots"})
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the shipped ones)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every probe and the tables as JSON here")

@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 
 
@@ -87,10 +88,11 @@ def sim_args(p: argparse.ArgumentParser) -> None:
                    help="cluster: router profile (loraserve, load-aware, least-loaded, rank-aware)")
     p.add_argument("--interval", type=float, default=60.0, help="cluster: seconds between placements")
     p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--scheduler", default=None,
-                   help="engine scheduler: fifo, sjf, vtc or chameleon (default: the profile's)")
+    add_engine_settings(p, "max_loras", "max_num_seqs", "scheduler",
+                        max_loras={"default": None, "help": "override the profile's adapter slots"},
+                        max_num_seqs={"default": None, "help": None},
+                        scheduler={"default": None, "choices": None,
+                                   "help": "engine scheduler: fifo, sjf, vtc or chameleon (default: the profile's)"})
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the scheduler, e.g. refresh_s=60 (repeatable; docs/engine.md)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
@@ -153,10 +155,10 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
 def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
-    p.add_argument("--max-loras", type=int, default=None,
-                   help="adapter slots per server for every policy; the planner's A_max may be lower. Default: "
+    add_engine_settings(p, "max_loras", max_loras={"default": None,
+                        "help": "adapter slots per server for every policy; the planner's A_max may be lower. Default: "
                         "each policy chooses its own when the profile's slots cost KV memory, else the "
-                        "profile's max_loras")
+                        "profile's max_loras"})
     p.add_argument("--compare", action="store_true",
                    help="also find the servers replicate-all and random need at the same SLO (slow)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (--compare, --slo-aware)")
@@ -185,8 +187,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def whatif_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
-    p.add_argument("--max-loras", type=int, default=32, help="the profile's default adapter slots")
-    p.add_argument("--max-lora-rank", type=int, default=32, help="slot size (the published constants cover <= 32)")
+    add_engine_settings(p, "max_loras", "max_lora_rank",
+                        max_loras={"default": 32, "help": "the profile's default adapter slots"},
+                        max_lora_rank={"default": 32, "help": "slot size (the published constants cover <= 32)"})
 
 
 def run_whatif(args: argparse.Namespace) -> int:

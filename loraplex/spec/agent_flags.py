@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplex.spec.crd import AdapterPoolSpec, EngineSpec
+from loraplex.spec.engine_settings import ENGINE_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -43,24 +44,13 @@ def agent_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
 
 def _shared_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
     """What both backends' engines are sized by."""
-    engine = spec.engine
-    flags = [AgentFlag("--dtype", spec.base_model.dtype, "LORAPLEX_DTYPE"),
-             AgentFlag("--max-lora-rank", str(engine.max_lora_rank), "LORAPLEX_MAX_LORA_RANK"),
-             AgentFlag("--max-loras", str(engine.max_loras), "LORAPLEX_MAX_LORAS"),
-             AgentFlag("--max-num-seqs", str(engine.max_num_seqs), "LORAPLEX_MAX_NUM_SEQS")]
-    if engine.max_model_len is not None:
-        flags.append(AgentFlag("--max-model-len", str(engine.max_model_len), "LORAPLEX_MAX_MODEL_LEN"))
-    return flags
+    return [AgentFlag("--dtype", spec.base_model.dtype, "LORAPLEX_DTYPE"),
+            *_settings(spec.engine, "max_lora_rank", "max_loras", "max_num_seqs", "max_model_len")]
 
 
 def _loraplex_flags(engine: EngineSpec) -> list[AgentFlag]:
     """Our engine's batching, memory and scheduling."""
-    flags = [AgentFlag("--max-num-batched-tokens", str(engine.max_num_batched_tokens), "LORAPLEX_MAX_NUM_BATCHED_TOKENS"),
-             AgentFlag("--block-size", str(engine.block_size), "LORAPLEX_BLOCK_SIZE"),
-             AgentFlag("--scheduler", engine.scheduler, "LORAPLEX_SCHEDULER"),
-             AgentFlag("--memory-policy", engine.memory_policy, "LORAPLEX_MEMORY_POLICY")]
-    if engine.kv_cache_memory_gib is not None:
-        flags.append(AgentFlag("--kv-cache-memory", f"{engine.kv_cache_memory_gib:g}", "LORAPLEX_KV_CACHE_MEMORY"))
+    flags = _settings(engine, "max_num_batched_tokens", "block_size", "scheduler", "memory_policy", "kv_cache_memory_gib")
     if not engine.prefix_cache:
         flags.append(AgentFlag("--no-prefix-cache"))
     for flag, options in (("--scheduler-option", engine.scheduler_options),
@@ -80,6 +70,16 @@ def _vllm_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
         flags.append(AgentFlag("--vllm-scheduler-cls", engine.vllm.scheduler_cls, launch_only=True))
     # `--vllm-arg=--x`: written apart, the agent's parser would take `--x` for a flag of its own
     return flags + [AgentFlag(f"--vllm-arg={arg}", launch_only=True) for arg in engine.vllm.args]
+
+
+def _settings(engine: EngineSpec, *names: str) -> list[AgentFlag]:
+    """The declared settings (loraplex.spec.engine_settings) that are set, each with its ConfigMap variable."""
+    flags = []
+    for name in names:
+        setting, value = ENGINE_SETTINGS[name], getattr(engine, name)
+        if value is not None:
+            flags.append(AgentFlag(setting.flag, f"{value:g}" if isinstance(value, float) else str(value), setting.env))
+    return flags
 
 
 # What an agent beside a running vLLM server still reads: the adapters it admits and loads.

@@ -8,6 +8,7 @@ import importlib
 import os
 
 from loraplex.cli import CommandRegistry, run_module
+from loraplex.spec.engine_settings import add_engine_settings
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)
@@ -33,25 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by the agent, `loraplex profile` and the benchmarks."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_settings(p)  # the ones an AdapterPool's spec.engine sets too
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks; default: sized from memory")
-    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV cache and the adapter slots in GiB (used when --num-blocks is not given)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-loras", type=int, default=8,
-                   help="adapter slots carved out of device memory under --memory-policy lru-static")
-    p.add_argument("--max-lora-rank", type=int, default=64,
-                   help="largest adapter rank served (default 64; `loraplex agent`: the largest rank of its "
-                        "--adapter folders, 64 without any)")
-    p.add_argument("--scheduler", default="fifo", choices=["fifo", "sjf", "vtc", "chameleon"],
-                   help="engine scheduler (docs/engine.md, Schedulers)")
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the scheduler, e.g. refresh_s=60 or slo_s=2 (repeatable)")
-    p.add_argument("--memory-policy", default="unified", choices=["unified", "lru-static", "no-cache"],
-                   help="adapters and KV in one page pool with a prefix cache and an adapter cache (unified), "
-                        "vLLM's fixed slots (lru-static) or S-LoRA's drop-when-idle (no-cache); docs/engine.md")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV of earlier requests")
     p.add_argument("--num-host-blocks", type=int, default=None,
                    help="host-memory KV blocks that evicted prefixes move to (default: as many as the device "
