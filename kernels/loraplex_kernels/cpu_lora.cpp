@@ -1,33 +1,29 @@
-"""C++ source of the fused CPU LoRA delta over paged adapters (built at first use by
-`loraplex_kernels.cpu_lora`).
-
-Kept as a Python string so that it ships with the package like any module (package data holds
-no .cpp files). One call adds the LoRA terms of one fused group for every segment of the step,
-reading the adapters in place from the layer's KV pool (layout: `loraplex_kernels.lora_pages`):
-rank row k of an adapter holds, per wrapped module, A[k, :] then B[:, k] (pre-scaled), and a row
-may straddle the K and V halves of its pages. Work follows each module's own rank (a runtime
-value: no padding to a power of two).
-
-- Work items are (segment, modules, up to 32 rows); items write disjoint rows and columns of `y`,
-  so the threads of `at::parallel_for` pull them from a shared counter, biggest first, with no
-  reduction and no lock.
-- A decode row (or a row left over from a prefill block) walks the rank rows two at a time: per
-  module, `s = x . A[k]` then `y += s * B[k]`, so each module's A and B rows, adjacent in the pool,
-  stream once in address order, read in place (a vector across a half-block boundary is
-  assembled). One item takes all the group's modules, whose spans of a row are adjacent too,
-  unless there are fewer such items than threads. Rows are row_len apart: the rows 8 KiB ahead
-  are prefetched into L2 by software, which the hardware prefetcher does not do across rows.
-- Prefill rows go four at a time per module: every A and B row is resolved once (straddling rows
-  copied to a thread-local scratch), the shrink runs four A rows at a time (AVX-512; two otherwise)
-  vectorised over in_features, so each x load serves four rank rows and each A element four
-  tokens, and sums four accumulators' lanes at once; the expand copies 64 (32, 16) output columns
-  of B into a contiguous panel and keeps those outputs of four rows in registers over the rank loop.
-- Every row gets the same operations in the same order whatever the blocking (the lanes of a dot
-  product are those of a contiguous row, its horizontal sum a fixed tree, multiply-adds fused alike),
-  so a request gets bit-identical LoRA terms alone and inside any batch.
-"""
-
-SOURCE = r"""
+// The fused CPU LoRA delta over paged adapters (built at first use by
+// `loraplex_kernels.cpu_lora`).
+//
+// One call adds the LoRA terms of one fused group for every segment of the step,
+// reading the adapters in place from the layer's KV pool (layout: `loraplex_kernels.lora_pages`):
+// rank row k of an adapter holds, per wrapped module, A[k, :] then B[:, k] (pre-scaled), and a row
+// may straddle the K and V halves of its pages. Work follows each module's own rank (a runtime
+// value: no padding to a power of two).
+//
+// - Work items are (segment, modules, up to 32 rows); items write disjoint rows and columns of `y`,
+//   so the threads of `at::parallel_for` pull them from a shared counter, biggest first, with no
+//   reduction and no lock.
+// - A decode row (or a row left over from a prefill block) walks the rank rows two at a time: per
+//   module, `s = x . A[k]` then `y += s * B[k]`, so each module's A and B rows, adjacent in the pool,
+//   stream once in address order, read in place (a vector across a half-block boundary is
+//   assembled). One item takes all the group's modules, whose spans of a row are adjacent too,
+//   unless there are fewer such items than threads. Rows are row_len apart: the rows 8 KiB ahead
+//   are prefetched into L2 by software, which the hardware prefetcher does not do across rows.
+// - Prefill rows go four at a time per module: every A and B row is resolved once (straddling rows
+//   copied to a thread-local scratch), the shrink runs four A rows at a time (AVX-512; two otherwise)
+//   vectorised over in_features, so each x load serves four rank rows and each A element four
+//   tokens, and sums four accumulators' lanes at once; the expand copies 64 (32, 16) output columns
+//   of B into a contiguous panel and keeps those outputs of four rows in registers over the rank loop.
+// - Every row gets the same operations in the same order whatever the blocking (the lanes of a dot
+//   product are those of a contiguous row, its horizontal sum a fixed tree, multiply-adds fused alike),
+//   so a request gets bit-identical LoRA terms alone and inside any batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -690,4 +686,3 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_delta", &lora_delta, "y += segmented LoRA delta of x, adapters paged in the KV pool (float32, CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
-"""
