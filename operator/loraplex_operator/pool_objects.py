@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.spec.agent_flags import agent_flags, configmap_data
@@ -107,9 +108,7 @@ def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig)
         "HF_HOME": f"{MODELS_DIR}/.hf",
         **configmap_data(agent_flags(spec)),
     }
-    if uses_vllm(spec):
-        data.update(vllm_settings(spec))
-    return data
+    return data | dict(_backend(pool, spec, config).settings)
 
 
 def config_hash(data: Any) -> str:
@@ -122,17 +121,10 @@ def build_configmap(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig
             "data": agent_settings(pool, spec, config)}
 
 
-def build_vllm_plugin_configmap(pool: PoolRef) -> dict[str, Any]:
-    """The plug-in module the vLLM containers load (`--middleware loraplex_vllm.LoraplexMiddleware`)."""
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _metadata(pool, names.vllm_plugin_configmap_name(pool.name)), "data": plugin_data()}
-
-
-def build_service(pool: PoolRef, spec: AdapterPoolSpec | None = None) -> dict[str, Any]:
+def build_service(pool: PoolRef, backend: BackendParts | None = None) -> dict[str, Any]:
     """Headless; a vLLM pool's Service also names the vLLM port (the ServiceMonitor scrapes its metrics)."""
-    ports = [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT, "targetPort": names.AGENT_PORT_NAME}]
-    if spec is not None and uses_vllm(spec):
-        ports.append({"name": names.VLLM_PORT_NAME, "port": spec.engine.vllm.port, "targetPort": names.VLLM_PORT_NAME})
+    ports = [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT, "targetPort": names.AGENT_PORT_NAME},
+             *(backend.service_ports if backend else ())]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(pool, names.service_name(pool.name)),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": names.selector_labels(pool.name), "ports": ports}}
@@ -145,7 +137,7 @@ def build_pdb(pool: PoolRef, spec: AdapterPoolSpec) -> dict[str, Any]:
                      "selector": {"matchLabels": names.selector_labels(pool.name)}}}
 
 
-def agent_args(spec: AdapterPoolSpec) -> list[str]:
+def agent_args(spec: AdapterPoolSpec, backend_args: Sequence[str] = ()) -> list[str]:
     """`loraplex agent` flags: where the agent is, then the pool's settings (loraplex.spec.agent_flags,
     as `loraplex up` passes them), their values read from the ConfigMap environment so that one edit of
     the ConfigMap (and its hash) is the whole change; `engine.extra_args` last."""
@@ -156,18 +148,21 @@ def agent_args(spec: AdapterPoolSpec) -> list[str]:
             "--redis-url", "$(LORAPLEX_REDIS_URL)", "--pool", "$(LORAPLEX_POOL)",
             "--server-id", "$(POD_NAME)", "--advertise-url", "$(LORAPLEX_ADVERTISE_URL)",
             "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)",
-            *(vllm_agent_args() if uses_vllm(spec) else []), *settings, *spec.engine.extra_args]
+            *backend_args, *settings, *spec.engine.extra_args]
 
 
-def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec) -> list[dict[str, Any]]:
-    fqdn = f"$(POD_NAME).{names.service_name(pool.name)}.$(POD_NAMESPACE).svc"
+def _pod_url(pool: PoolRef, port: int) -> str:
+    """The pod's own address as the router and its peers reach it (through the headless Service)."""
+    return f"http://$(POD_NAME).{names.service_name(pool.name)}.$(POD_NAMESPACE).svc:{port}"
+
+
+def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec, backend: BackendParts) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "LORAPLEX_ADVERTISE_URL", "value": f"http://{fqdn}:{names.AGENT_PORT}"},
+        {"name": "LORAPLEX_ADVERTISE_URL", "value": _pod_url(pool, names.AGENT_PORT)},
+        *backend.agent_env,
     ]
-    if uses_vllm(spec):  # the router sends requests to the vLLM container
-        env.append({"name": "LORAPLEX_VLLM_ADVERTISE_URL", "value": f"http://{fqdn}:{spec.engine.vllm.port}"})
     if config.agent_api_key_secret:
         env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": config.agent_api_key_secret, "key": "api-key"}}})
@@ -200,26 +195,51 @@ def _security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def _containers(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> list[dict[str, Any]]:
-    """The agent; with engine.backend vllm, the vLLM server beside it (which gets the GPUs)."""
-    agent = _container(pool, spec, config)
+@dataclass(frozen=True)
+class BackendParts:
+    """What the pool's engine backend adds to its objects: nothing for our engine. Every difference of
+    a pool with `engine.backend: vllm` is made in `_backend`, so the builders have no branch on it."""
+
+    settings: Mapping[str, str] = field(default_factory=dict)  # more ConfigMap entries
+    agent_args: tuple[str, ...] = ()             # where the agent finds its server
+    agent_env: tuple[dict[str, Any], ...] = ()
+    agent_resources: dict[str, Any] | None = None  # the agent's instead of servers.resources (the server gets those)
+    containers: tuple[dict[str, Any], ...] = ()  # beside the agent
+    volumes: tuple[dict[str, Any], ...] = ()
+    service_ports: tuple[dict[str, Any], ...] = ()
+    objects: tuple[dict[str, Any], ...] = ()     # applied after the ConfigMap, before the pods
+    hashed: Mapping[str, str] = field(default_factory=dict)  # more data whose change rolls the pods
+
+
+def _backend(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> BackendParts:
     if not uses_vllm(spec):
-        return [agent]
-    vllm = vllm_container(spec, config.vllm_image, model_path(spec.base_model.source), _mounts(spec), ADAPTERS_DIR,
-                          _resources(spec), _security(), f"{MODELS_DIR}/.hf")
-    return [{**agent, "resources": AGENT_RESOURCES}, vllm]
+        return BackendParts()
+    port = spec.engine.vllm.port
+    server = vllm_container(spec, config.vllm_image, model_path(spec.base_model.source), _mounts(spec), ADAPTERS_DIR,
+                            _resources(spec), _security(), f"{MODELS_DIR}/.hf")
+    # the plug-in module the vLLM containers load (`--middleware loraplex_vllm.LoraplexMiddleware`)
+    plugin = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": _metadata(pool, names.vllm_plugin_configmap_name(pool.name)), "data": plugin_data()}
+    return BackendParts(
+        settings=vllm_settings(spec), agent_args=tuple(vllm_agent_args()),
+        # the router sends requests to the vLLM container
+        agent_env=({"name": "LORAPLEX_VLLM_ADVERTISE_URL", "value": _pod_url(pool, port)},),
+        agent_resources=AGENT_RESOURCES, containers=(server,), volumes=(plugin_volume(pool.name),),
+        service_ports=({"name": names.VLLM_PORT_NAME, "port": port, "targetPort": names.VLLM_PORT_NAME},),
+        objects=(plugin,), hashed=plugin_data())
 
 
-def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, backend: BackendParts) -> dict[str, Any]:
+    """The agent (with engine.backend vllm, beside the vLLM server, which gets the GPUs)."""
     return {
         "name": "agent",
         "image": spec.servers.image or config.agent_image,
         "imagePullPolicy": spec.servers.image_pull_policy,
-        "args": agent_args(spec),
+        "args": agent_args(spec, backend.agent_args),
         "envFrom": [{"configMapRef": {"name": names.configmap_name(pool.name)}}],
-        "env": _env(pool, config, spec),
+        "env": _env(pool, config, spec, backend),
         "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": names.AGENT_PORT}],
-        "resources": _resources(spec),
+        "resources": backend.agent_resources or _resources(spec),
         # Downloading and loading a large base model can take many minutes: the startup probe
         # allows 30 minutes before liveness takes over.
         "startupProbe": _probe("/health", 10, 180),
@@ -230,19 +250,17 @@ def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> 
     }
 
 
-def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, backend: BackendParts) -> dict[str, Any]:
     servers = spec.servers
     image = servers.image or config.agent_image
     pod: dict[str, Any] = {
-        "containers": _containers(pool, spec, config),
+        "containers": [_container(pool, spec, config, backend), *backend.containers],
         "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
                             "fsGroup": USER_ID},
         "terminationGracePeriodSeconds": 60,  # lets running requests finish
         "volumes": [{"name": MODELS_VOLUME, "emptyDir": {}}, {"name": ADAPTERS_VOLUME, "emptyDir": {}},
-                    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}] + list(servers.volumes),
+                    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}, *servers.volumes, *backend.volumes],
     }
-    if uses_vllm(spec):
-        pod["volumes"].append(plugin_volume(pool.name))
     fetch = fetch_model_container(spec, image)
     if fetch is not None:
         pod["initContainers"] = [fetch]
@@ -256,8 +274,8 @@ def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> d
 
 
 def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> dict[str, Any]:
-    settings = agent_settings(pool, spec, config)
-    settings_hash = config_hash({**settings, **plugin_data()} if uses_vllm(spec) else settings)
+    backend = _backend(pool, spec, config)
+    settings_hash = config_hash({**agent_settings(pool, spec, config), **backend.hashed})
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _metadata(pool, names.statefulset_name(pool.name)),
@@ -271,7 +289,7 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
             "template": {
                 "metadata": {"labels": names.pool_labels(pool.name),
                              "annotations": {names.CONFIG_HASH_ANNOTATION: settings_hash}},
-                "spec": _pod_spec(pool, spec, config),
+                "spec": _pod_spec(pool, spec, config, backend),
             },
         },
     }
@@ -279,6 +297,6 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
 
 def pool_objects(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> list[dict[str, Any]]:
     """Everything the pool owns, in the order to apply it (the ConfigMap before the pods that read it)."""
-    plugin = [build_vllm_plugin_configmap(pool)] if uses_vllm(spec) else []
-    return [build_configmap(pool, spec, config), *plugin, build_service(pool, spec), build_pdb(pool, spec),
+    backend = _backend(pool, spec, config)
+    return [build_configmap(pool, spec, config), *backend.objects, build_service(pool, backend), build_pdb(pool, spec),
             build_statefulset(pool, spec, config, replicas)]
