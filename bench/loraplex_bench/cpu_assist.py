@@ -24,8 +24,8 @@ from pathlib import Path
 
 from loraplex_agent.llm import LLM
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.latency.features import StepFeatures
 from loraplex.spec.errors import CommandError
 from loraplex_bench.memory_engine import decode_step_seconds, model_bytes, reference_profile

@@ -105,7 +105,7 @@ class OursRunner:
             self.llm.add_adapter(name, path)
 
     def __call__(self, workload: Workload) -> PassResult:
-        from loraplex.engine.sampling import SamplingParams
+        from loraplex.engine.output.sampling import SamplingParams
 
         sampling = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
         started, cpu_started = time.perf_counter(), time.process_time()

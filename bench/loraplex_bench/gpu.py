@@ -36,8 +36,8 @@ from loraplex_agent.model_config import LORA_MODULES, ModelConfig
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json

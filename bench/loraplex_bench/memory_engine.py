@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from loraplex_agent.model_config import ModelConfig
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.latency.features import StepFeatures
 from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.sessions import (

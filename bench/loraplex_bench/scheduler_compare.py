@@ -49,12 +49,12 @@ import numpy as np
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.executor import Executor
-from loraplex.engine.memory_policies import MEMORY_POLICIES, make_memory
+from loraplex.engine.memory.paged_memory import no_adapter_pages
+from loraplex.engine.memory.policies import MEMORY_POLICIES, make_memory
 from loraplex.engine.messages import ExecutorResult, RequestOutput, SchedulerOutput
-from loraplex.engine.paged_memory import no_adapter_pages
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, SampledToken
-from loraplex.engine.sampling import SamplingParams
-from loraplex.engine.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
+from loraplex.engine.scheduling.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
 from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.arrivals import Arrivals, arrival_times
 from loraplex.sim.capacity import saturation_rps

@@ -18,10 +18,10 @@ class EngineConfig:
     max_num_batched_tokens: int = _SETTINGS["max_num_batched_tokens"].default  # per-step token budget
     max_loras: int = _SETTINGS["max_loras"].default  # slots under memory_policy="lru-static"; the page pool needs none
     max_lora_rank: int = _SETTINGS["max_lora_rank"].default
-    scheduler: str = _SETTINGS["scheduler"].default  # by name (loraplex.engine.schedulers)
+    scheduler: str = _SETTINGS["scheduler"].default  # by name (loraplex.engine.scheduling.schedulers)
     scheduler_options: dict[str, Any] = field(default_factory=dict)  # the scheduler's knobs by name
     residency: str = "lru"  # read by nothing now: kept so that profiles written with it still load
-    memory_policy: str = _SETTINGS["memory_policy"].default  # by name (loraplex.engine.memory_policies)
+    memory_policy: str = _SETTINGS["memory_policy"].default  # by name (loraplex.engine.memory.policies)
     prefix_cache: bool = True  # reuse KV of earlier requests of the same adapter (unified only)
     num_host_blocks: int = 0  # host-tier KV blocks for swapped-out prefixes; 0 drops evicted KV
     memory_options: dict[str, Any] = field(default_factory=dict)  # the memory policy's knobs by name

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.memory_policies import make_memory
-from loraplex.engine.paged_memory import no_adapter_pages
-from loraplex.engine.schedulers import make_scheduler
+from loraplex.engine.memory.paged_memory import no_adapter_pages
+from loraplex.engine.memory.policies import make_memory
+from loraplex.engine.scheduling.schedulers import make_scheduler
 from loraplex.spec.crd import EngineSpec
 from loraplex.util.clock import ManualClock
 

@@ -118,7 +118,7 @@ def run_sim(args: argparse.Namespace) -> int:
     overrides: dict = {k: v for k, v in (("max_loras", args.max_loras), ("max_num_seqs", args.max_num_seqs),
                                          ("scheduler", args.scheduler)) if v}
     if args.scheduler_option:
-        from loraplex.engine.schedulers import parse_scheduler_options
+        from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 
         try:
             overrides["scheduler_options"] = parse_scheduler_options(args.scheduler_option)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore, EngineStats
-from loraplex.engine.paged_memory import no_adapter_pages
+from loraplex.engine.memory.paged_memory import no_adapter_pages
 from loraplex.latency.profile import Profile
 from loraplex.sim.executor import SimExecutor
 from loraplex.sim.gc_pause import cyclic_gc_paused

@@ -19,9 +19,9 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
-from loraplex.engine.schedulers import parse_scheduler_options
+from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters import AdapterStore, load_peft_adapter

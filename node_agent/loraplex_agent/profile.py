@@ -27,8 +27,8 @@ import torch
 
 from loraplex.engine.core import EngineCore
 from loraplex.engine.messages import ExecutorResult, SchedulerOutput
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.latency.features import SlotRanks, StepFeatures
 from loraplex.latency.profile import PROFILE_VERSION, Memory, Profile, load_profile
 from loraplex.sim.capacity import saturation_rps

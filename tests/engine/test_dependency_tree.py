@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from loraplex.engine.dependency_tree import DependencyTree, NodeKind, Released, Tier, TreeNode
-from loraplex.engine.page_pool import PageKind
+from loraplex.engine.memory.dependency_tree import DependencyTree, NodeKind, Released, Tier, TreeNode
+from loraplex.engine.memory.page_pool import PageKind
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import ManualClock
 

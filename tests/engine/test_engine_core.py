@@ -8,8 +8,8 @@ from toy_executor import ToyExecutor
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import FinishReason, Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import ConflictError, InvalidRequestError, NotFoundError
 from loraplex.util.clock import ManualClock

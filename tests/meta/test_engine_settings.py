@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.memory_policies import MEMORY_POLICIES
-from loraplex.engine.schedulers import SCHEDULERS
+from loraplex.engine.memory.policies import MEMORY_POLICIES
+from loraplex.engine.scheduling.schedulers import SCHEDULERS
 from loraplex.spec.crd import EngineSpec
 from loraplex.spec.engine_settings import ENGINE_SETTINGS, settings_table
 

@@ -14,8 +14,8 @@ import pytest
 from loraplex_agent.cluster.engine_view import engine_batch
 from loraplex_router.snapshot import Snapshot
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.sampling import SamplingParams
 from loraplex.latency.features import FEATURES
 from loraplex.routing import RecordError, ServerRecord
 from loraplex.routing.pipeline import PROFILES, Candidate, RouteRequest, make_profile

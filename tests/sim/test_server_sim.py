@@ -41,7 +41,7 @@ def test_a_lone_request_is_timed_by_the_profile():
 
 def test_the_executor_applies_every_term_of_the_profile():
     from loraplex.engine.messages import AdapterLoad, ScheduledChunk, SchedulerOutput
-    from loraplex.engine.sampling import SamplingParams
+    from loraplex.engine.output.sampling import SamplingParams
     from loraplex.latency.features import FEATURES
     from loraplex.sim.executor import SimExecutor
     from loraplex.spec.adapter import AdapterId

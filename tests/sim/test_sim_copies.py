@@ -9,7 +9,7 @@ import json
 import pytest
 
 from loraplex.engine.messages import AdapterLoad, KVCopy, KVSwapIn, ScheduledChunk, SchedulerOutput
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.latency.profile import PROFILES_DIR, Memory, Profile, load_profile
 from loraplex.sim.executor import SimExecutor
 from loraplex.sim.whatif import NAME as WHATIF

@@ -6,8 +6,8 @@ from toy_executor import ToyExecutor
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.util.clock import ManualClock
 

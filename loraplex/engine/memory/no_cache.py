@@ -5,8 +5,8 @@ and a finished request's KV is dropped (no prefix cache)."""
 from __future__ import annotations
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.memory.paged_memory import AdapterPages, PagedMemory
 from loraplex.engine.options import options_for
-from loraplex.engine.paged_memory import AdapterPages, PagedMemory
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 

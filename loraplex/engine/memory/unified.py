@@ -16,17 +16,17 @@ from collections import deque
 from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.dependency_tree import NodeKind, Tier
-from loraplex.engine.dependency_tree import TreeNode as Node
-from loraplex.engine.eviction_scores import (
+from loraplex.engine.memory.dependency_tree import NodeKind, Tier
+from loraplex.engine.memory.dependency_tree import TreeNode as Node
+from loraplex.engine.memory.eviction_scores import (
     NodeUse,
     adapter_reward,
     chameleon_scores,
     expected_batch_adapters,
     fastlibra_log_score,
 )
+from loraplex.engine.memory.paged_memory import AdapterPages, PagedMemory
 from loraplex.engine.options import options_for
-from loraplex.engine.paged_memory import AdapterPages, PagedMemory
 from loraplex.util.clock import Clock
 
 SCORES = ("fastlibra", "chameleon", "lru")

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from loraplex.engine.chameleon import ChameleonScheduler
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.device_memory import DeviceMemory
-from loraplex.engine.scheduler import FifoScheduler, RankOf, Scheduler
-from loraplex.engine.sjf import SjfScheduler
-from loraplex.engine.vtc import VtcScheduler
+from loraplex.engine.memory.device_memory import DeviceMemory
+from loraplex.engine.scheduling.chameleon import ChameleonScheduler
+from loraplex.engine.scheduling.scheduler import FifoScheduler, RankOf, Scheduler
+from loraplex.engine.scheduling.sjf import SjfScheduler
+from loraplex.engine.scheduling.vtc import VtcScheduler
 from loraplex.util.clock import Clock
 
 SCHEDULERS: dict[str, type] = {"fifo": FifoScheduler, "sjf": SjfScheduler, "vtc": VtcScheduler,

@@ -1,4 +1,4 @@
-"""The memory seam between a scheduler and the engine's memory policy (`memory_policies.py`).
+"""The memory seam between a scheduler and the engine's memory policy (`policies.py`).
 
 A policy owns the device page pool (KV blocks and, except under `lru-static`, adapter weights),
 the prefix cache and adapter residency. The scheduler asks it for an adapter and KV pages when it
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from loraplex.engine.memory_stats import MemoryStats
+from loraplex.engine.memory.stats import MemoryStats
 from loraplex.engine.messages import ExecutorResult, SchedulerOutput
 from loraplex.engine.request import Request
 from loraplex.spec.adapter import AdapterId

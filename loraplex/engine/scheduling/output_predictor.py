@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.engine.scheduler_stats import PredictorStats
+from loraplex.engine.scheduling.stats import PredictorStats
 from loraplex.spec.adapter import AdapterId
 
 _ALL = ("all",)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from itertools import count
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.device_memory import DeviceMemory
+from loraplex.engine.memory.device_memory import DeviceMemory
 from loraplex.engine.messages import ExecutorResult, RequestOutput, SchedulerOutput
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.scheduler import Admit, BatchScheduler, RankOf, adapter_key, options_for
-from loraplex.engine.scheduler_stats import SchedulerStats
+from loraplex.engine.scheduling.scheduler import Admit, BatchScheduler, RankOf, adapter_key, options_for
+from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.engine.kv_cache import blocks_for
+from loraplex.engine.memory.kv_cache import blocks_for
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from bisect import insort
 from itertools import count
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.device_memory import DeviceMemory
+from loraplex.engine.memory.device_memory import DeviceMemory
 from loraplex.engine.messages import SchedulerOutput
-from loraplex.engine.output_predictor import OutputLengthPredictor, PredictorOptions
 from loraplex.engine.request import FinishReason, Request
-from loraplex.engine.scheduler import Admit, BatchScheduler, RankOf, options_for
-from loraplex.engine.scheduler_stats import SchedulerStats
+from loraplex.engine.scheduling.output_predictor import OutputLengthPredictor, PredictorOptions
+from loraplex.engine.scheduling.scheduler import Admit, BatchScheduler, RankOf, options_for
+from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.util.clock import Clock
 
 _RESUMED, _NEW = 0, 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from loraplex.engine.device_memory import DeviceMemory
+from loraplex.engine.memory.device_memory import DeviceMemory
 from loraplex.engine.request import Request
 from loraplex.spec.adapter import AdapterId
 

@@ -22,7 +22,7 @@ requests to their new queues in arrival order and re-charges running ones to the
 now falls in.
 
 Opportunistic bypass: when a head fits its quota but its adapter cannot get memory
-(`memory_gate`), a younger request of the same queue may pass it when the head's charge still
+(`memory.gate`), a younger request of the same queue may pass it when the head's charge still
 fits the quota left after it and either it takes no memory the head waits for (with slots: its
 adapter is already resident) or, as in the paper, its predicted steps (prefill chunks + output)
 are fewer than the steps until memory frees; at most `max_bypasses` per head. Squash: when the
@@ -49,17 +49,17 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.device_memory import DeviceMemory
-from loraplex.engine.memory_gate import MemoryGate, PageGate
+from loraplex.engine.memory.device_memory import DeviceMemory
+from loraplex.engine.memory.gate import MemoryGate, PageGate
 from loraplex.engine.messages import SchedulerOutput
-from loraplex.engine.output_predictor import OutputLengthPredictor, PredictorOptions
-from loraplex.engine.queue_plan import classify, plan_boundaries
-from loraplex.engine.quotas import QueueLoad, plan_quotas
 from loraplex.engine.request import FinishReason, Request, RequestStatus
-from loraplex.engine.scheduler import Admit, BatchScheduler, RankOf, options_for
-from loraplex.engine.scheduler_stats import SchedulerStats
-from loraplex.engine.sjf import learn_output, predict_output
-from loraplex.engine.wrs import SizeModel
+from loraplex.engine.scheduling.output_predictor import OutputLengthPredictor, PredictorOptions
+from loraplex.engine.scheduling.queue_plan import classify, plan_boundaries
+from loraplex.engine.scheduling.quotas import QueueLoad, plan_quotas
+from loraplex.engine.scheduling.scheduler import Admit, BatchScheduler, RankOf, options_for
+from loraplex.engine.scheduling.sjf import learn_output, predict_output
+from loraplex.engine.scheduling.stats import SchedulerStats
+from loraplex.engine.scheduling.wrs import SizeModel
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.device_memory import DeviceMemory
+from loraplex.engine.memory.device_memory import DeviceMemory
 from loraplex.engine.messages import (
     NO_ADAPTER_SLOT,
     ExecutorResult,
@@ -27,9 +27,9 @@ from loraplex.engine.messages import (
     SchedulerOutput,
 )
 from loraplex.engine.options import options_for
+from loraplex.engine.output.stopping import finish_reason
 from loraplex.engine.request import FinishReason, Request, RequestStatus
-from loraplex.engine.scheduler_stats import QueueStats, SchedulerStats
-from loraplex.engine.stopping import finish_reason
+from loraplex.engine.scheduling.stats import QueueStats, SchedulerStats
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 

@@ -6,15 +6,15 @@ invalid KV, counted in the stats)."""
 
 from __future__ import annotations
 
-from loraplex.engine.adapter_residency import LruResidency
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.dependency_tree import NodeKind, Tier
-from loraplex.engine.dependency_tree import TreeNode as Node
-from loraplex.engine.memory_stats import ResidentAdapter
+from loraplex.engine.memory.adapter_residency import LruResidency
+from loraplex.engine.memory.dependency_tree import NodeKind, Tier
+from loraplex.engine.memory.dependency_tree import TreeNode as Node
+from loraplex.engine.memory.page_pool import PageKind
+from loraplex.engine.memory.paged_memory import AdapterPages, PagedMemory
+from loraplex.engine.memory.stats import ResidentAdapter
 from loraplex.engine.messages import AdapterLoad
 from loraplex.engine.options import options_for
-from loraplex.engine.page_pool import PageKind
-from loraplex.engine.paged_memory import AdapterPages, PagedMemory
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.util.clock import Clock
 

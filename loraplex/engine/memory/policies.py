@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.memory_lru_static import LruStaticMemory
-from loraplex.engine.memory_no_cache import NoCacheMemory
-from loraplex.engine.memory_unified import UnifiedMemory
-from loraplex.engine.paged_memory import AdapterPages, PagedMemory
+from loraplex.engine.memory.lru_static import LruStaticMemory
+from loraplex.engine.memory.no_cache import NoCacheMemory
+from loraplex.engine.memory.paged_memory import AdapterPages, PagedMemory
+from loraplex.engine.memory.unified import UnifiedMemory
 from loraplex.util.clock import Clock
 
 MEMORY_POLICIES: dict[str, type[PagedMemory]] = {"unified": UnifiedMemory, "lru-static": LruStaticMemory,

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from itertools import count
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.dependency_tree import DependencyTree, NodeKind, Tier
-from loraplex.engine.dependency_tree import TreeNode as Node
-from loraplex.engine.kv_cache import blocks_for
-from loraplex.engine.memory_stats import MemoryStats, ResidentAdapter
+from loraplex.engine.memory.dependency_tree import DependencyTree, NodeKind, Tier
+from loraplex.engine.memory.dependency_tree import TreeNode as Node
+from loraplex.engine.memory.kv_cache import blocks_for
+from loraplex.engine.memory.page_pool import PageKind, PagePool
+from loraplex.engine.memory.stats import MemoryStats, ResidentAdapter
 from loraplex.engine.messages import AdapterLoad, ExecutorResult, KVCopy, KVSwapIn, SchedulerOutput
-from loraplex.engine.page_pool import PageKind, PagePool
 from loraplex.engine.request import Request
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.util.clock import Clock

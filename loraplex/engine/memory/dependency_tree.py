@@ -16,7 +16,7 @@ import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from loraplex.engine.page_pool import PageKind
+from loraplex.engine.memory.page_pool import PageKind
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 
