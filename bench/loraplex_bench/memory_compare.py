@@ -99,12 +99,18 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "it costs against a decode step on the what-if H100)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or auto (on CUDA copies are real, not emulated)")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_memory_args(p).add_argument("--no-prefix-cache", action="store_true",
+                                    help="also run unified with the prefix cache off")
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The engine's memory, the same on both sides (`bench memory` and `bench schedulers`)."""
     m = p.add_argument_group("engine memory (both sides)")
     add_engine_settings(m, "max_loras", "max_lora_rank",
                         max_loras={"default": None, "help": "lru-static slots (default: the profile's)"},
                         max_lora_rank={"default": 128, "help": None})
     m.add_argument("--host-blocks", type=int, default=None, help="host KV blocks (default: as many as the device)")
-    m.add_argument("--no-prefix-cache", action="store_true", help="also run unified with the prefix cache off")
+    return m
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:

@@ -75,9 +75,9 @@ from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest, requests_from
 from loraplex.sim.workload import Adapters, adapter_ranks
 from loraplex.spec.adapter import AdapterId
-from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import ManualClock
+from loraplex_bench.memory_compare import add_memory_args
 from loraplex_bench.output import write_bench_json
 
 BASELINE = "fifo"
@@ -467,11 +467,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="EMULATED host->device bandwidth (default: calibrated as in `bench memory`)")
     e.add_argument("--device", default="cpu", help="cpu, cuda or auto (on CUDA copies are real, not emulated)")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    m = p.add_argument_group("engine memory (both sides)")
-    add_engine_settings(m, "max_loras", "max_lora_rank",
-                        max_loras={"default": None, "help": "lru-static slots (default: the profile's)"},
-                        max_lora_rank={"default": 128, "help": None})
-    m.add_argument("--host-blocks", type=int, default=None, help="host KV blocks (default: as many as the device)")
+    add_memory_args(p)
 
 
 def parse_list(text: str, flag: str, kind: type) -> list:
