@@ -19,7 +19,7 @@ class AgentFlag:
     """One agent flag. `value` None: a switch (the flag alone). `env`: the variable that carries the
     value in Kubernetes (the pod's args say `$(env)`); None: the value is written into the args.
     `launch_only`: read only by an agent that starts its vLLM server itself (`loraplex up`); in a pod
-    the vLLM container is given it instead (loraplex_operator.vllm_objects)."""
+    the vLLM container is given it instead (the operator builds that container)."""
 
     flag: str
     value: str | None = None
@@ -59,6 +59,10 @@ def _loraplex_flags(engine: EngineSpec) -> list[AgentFlag]:
     return flags
 
 
+# What an agent beside a running vLLM server still reads: the adapters it admits and loads.
+_VLLM_AGENT_READS = frozenset({"--max-lora-rank", "--max-loras"})
+
+
 def _vllm_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
     """The agent beside a vLLM server: the adapters its CPU cache holds; the rest sizes the server."""
     engine = spec.engine
@@ -80,10 +84,6 @@ def _settings(engine: EngineSpec, *names: str) -> list[AgentFlag]:
         if value is not None:
             flags.append(AgentFlag(setting.flag, f"{value:g}" if isinstance(value, float) else str(value), setting.env))
     return flags
-
-
-# What an agent beside a running vLLM server still reads: the adapters it admits and loads.
-_VLLM_AGENT_READS = frozenset({"--max-lora-rank", "--max-loras"})
 
 
 def configmap_data(flags: list[AgentFlag]) -> dict[str, str]:
