@@ -7,14 +7,13 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from importlib import import_module
 from importlib.metadata import entry_points
+
+from loraplex.spec.errors import CommandError
 
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
-
-
-class CommandError(Exception):
-    """A user-facing failure: printed as `error: <message>` and exits with status 2."""
 
 
 @dataclass
@@ -49,6 +48,15 @@ class CommandRegistry:
             parser = parent.subparsers.add_parser(name, help=f"{name} commands")
             parent.children[name] = _Group(parser, parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
         return parent.children[name]
+
+
+def run_module(module: str) -> Run:
+    """A command's run that imports `module` (and what it needs: torch, kopf...) only when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        return import_module(module).run(args)
+
+    return run
 
 
 def build_registry() -> CommandRegistry:
@@ -90,8 +98,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m loraplex.cli` runs this file as __main__, while the commands raise the CommandError of
-    # the module loraplex.cli: run that module's main so that it catches them (one line, no traceback).
-    from loraplex.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

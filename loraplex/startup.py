@@ -7,9 +7,9 @@ import logging
 import os
 import socket
 
-from loraplex.cli import CommandError
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
+from loraplex.spec.errors import CommandError
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -1,6 +1,6 @@
 """The fused CPU LoRA delta: a C++ extension built at first use, or None when it cannot be built.
 
-`load()` compiles `cpu_lora_source.SOURCE` with `torch.utils.cpp_extension.load_inline` (ninja, the
+`load()` compiles `cpu_lora.cpp` (shipped beside this module as package data) with `torch.utils.cpp_extension.load_inline` (ninja, the
 host C++ compiler, `-O3 -march=native`, OpenMP through `at::parallel_for`, so it follows
 `torch.set_num_threads`). The module name carries a hash of the source, the flags, the torch version
 and this CPU's model and flags, so a changed source, another torch or another machine sharing the
@@ -27,9 +27,9 @@ from types import ModuleType
 
 import torch
 
-from loraplex_kernels.cpu_lora_source import SOURCE
-
 log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_lora.cpp").read_text()
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]

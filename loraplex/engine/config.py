@@ -5,20 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.spec.engine_settings import ENGINE_SETTINGS as _SETTINGS
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_model_len: int = 2048
-    block_size: int = 16
+    # The defaults of the settings an AdapterPool sets too are declared once, in loraplex.spec.engine_settings.
+    max_model_len: int = 2048  # the pool's default is the model's own limit, which the agent reads
+    block_size: int = _SETTINGS["block_size"].default
     num_blocks: int = 1024  # KV pages on the device; the torch executor sizes this from memory
-    max_num_seqs: int = 64  # requests in the running batch
-    max_num_batched_tokens: int = 512  # per-step token budget; longer prompts are chunked
-    max_loras: int = 8  # adapter slots under memory_policy="lru-static"; the page pool needs none
-    max_lora_rank: int = 64
-    scheduler: str = "fifo"  # fifo, sjf, vtc or chameleon (loraplex.engine.schedulers)
+    max_num_seqs: int = _SETTINGS["max_num_seqs"].default  # requests in the running batch
+    max_num_batched_tokens: int = _SETTINGS["max_num_batched_tokens"].default  # per-step token budget
+    max_loras: int = _SETTINGS["max_loras"].default  # slots under memory_policy="lru-static"; the page pool needs none
+    max_lora_rank: int = _SETTINGS["max_lora_rank"].default
+    scheduler: str = _SETTINGS["scheduler"].default  # by name (loraplex.engine.scheduling.schedulers)
     scheduler_options: dict[str, Any] = field(default_factory=dict)  # the scheduler's knobs by name
     residency: str = "lru"  # read by nothing now: kept so that profiles written with it still load
-    memory_policy: str = "unified"  # unified, lru-static or no-cache (loraplex.engine.memory_policies)
+    memory_policy: str = _SETTINGS["memory_policy"].default  # by name (loraplex.engine.memory.policies)
     prefix_cache: bool = True  # reuse KV of earlier requests of the same adapter (unified only)
     num_host_blocks: int = 0  # host-tier KV blocks for swapped-out prefixes; 0 drops evicted KV
     memory_options: dict[str, Any] = field(default_factory=dict)  # the memory policy's knobs by name

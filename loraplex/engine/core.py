@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.engine.clock import Clock, MonotonicClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.executor import Executor
-from loraplex.engine.memory_policies import make_memory
-from loraplex.engine.memory_stats import MemoryStats
+from loraplex.engine.memory.paged_memory import AdapterPages, no_adapter_pages
+from loraplex.engine.memory.policies import make_memory
+from loraplex.engine.memory.stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
-from loraplex.engine.paged_memory import AdapterPages, no_adapter_pages
-from loraplex.engine.prompt_logprobs import PromptLogprobsCollector
+from loraplex.engine.output.prompt_logprobs import PromptLogprobsCollector
 from loraplex.engine.request import Request
-from loraplex.engine.scheduler_stats import SchedulerStats
-from loraplex.engine.schedulers import make_scheduler
+from loraplex.engine.scheduling.schedulers import make_scheduler
+from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import AdapterError, ConflictError, InvalidRequestError, NotFoundError
+from loraplex.util.clock import Clock, MonotonicClock
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import FinishReason, SampledToken
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId
 
 NO_ADAPTER_SLOT = -1

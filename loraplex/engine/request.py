@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId
 
 

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from loraplex.engine.clock import Clock
 from loraplex.placement.forecast import Forecaster, ewma
 from loraplex.placement.operating_points import OperatingPoints
 from loraplex.placement.policy import PlacementPolicy
@@ -25,6 +24,7 @@ from loraplex.routing.demand import DEFAULT_WINDOWS, DemandWindows
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError
 from loraplex.routing.table import RoutingTable
+from loraplex.util.clock import Clock
 
 log = logging.getLogger(__name__)
 

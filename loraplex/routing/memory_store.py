@@ -8,12 +8,12 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
-from loraplex.engine.clock import Clock
 from loraplex.routing.demand import DEFAULT_WINDOW_S, DemandWindows, bucket_of, complete_buckets
 from loraplex.routing.keys import validate_pool_name
 from loraplex.routing.records import AdapterRecord, ServerRecord, validate_server_id
 from loraplex.routing.store import StaleVersionError
 from loraplex.routing.table import RoutingTable
+from loraplex.util.clock import Clock
 
 MAX_DEMAND_BUCKETS = 1000
 

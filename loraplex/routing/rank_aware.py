@@ -45,7 +45,7 @@ from loraplex.routing.records import ServerBatch
 if TYPE_CHECKING:
     from loraplex.routing.pipeline import Candidate, RouteRequest
 
-# The step-latency terms the router evaluates (the names of `loraplex.sim.features.FEATURES`).
+# The step-latency terms the router evaluates (the names of `loraplex.latency.features.FEATURES`).
 DECODE_TERMS = ("intercept", "batch", "adapters", "batch_x_adapters", "rank_sum", "batch_x_max_rank",
                 "context_tokens", "padded_context")
 PREFILL_TERMS = ("prefill_tokens", "prefill_rank_tokens")
@@ -113,7 +113,7 @@ class LatencyModel:
                 return cls.from_coefficients(doc["coefficients"], str(doc.get("name", path.stem)))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}: not a latency profile: {exc}") from None
-        from loraplex.sim.profile import load_profile  # shipped profiles; imported only when asked for
+        from loraplex.latency.profile import load_profile  # shipped profiles; imported only when asked for
 
         try:
             profile = load_profile(name_or_path)

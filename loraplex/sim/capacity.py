@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loraplex.engine.config import EngineConfig
+from loraplex.latency.profile import Profile
 from loraplex.sim.metrics import trace_duration
-from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace
 

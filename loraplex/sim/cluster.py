@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.latency.profile import Profile
 from loraplex.placement import (
     DEFAULT_HYSTERESIS,
     OperatingPoints,
@@ -42,7 +43,6 @@ from loraplex.sim.metrics import (
     trace_duration,
 )
 from loraplex.sim.operating_points import operating_points
-from loraplex.sim.profile import Profile
 from loraplex.sim.replay import check_fits, make_request, register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest

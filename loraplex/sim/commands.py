@@ -7,7 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from loraplex.cli import CommandError
+from loraplex.spec.engine_settings import add_engine_settings
+from loraplex.spec.errors import CommandError
 
 
 def _load_spec(args: argparse.Namespace):
@@ -87,10 +88,11 @@ def sim_args(p: argparse.ArgumentParser) -> None:
                    help="cluster: router profile (loraserve, load-aware, least-loaded, rank-aware)")
     p.add_argument("--interval", type=float, default=60.0, help="cluster: seconds between placements")
     p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--max-loras", type=int, default=None, help="override the profile's adapter slots")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--scheduler", default=None,
-                   help="engine scheduler: fifo, sjf, vtc or chameleon (default: the profile's)")
+    add_engine_settings(p, "max_loras", "max_num_seqs", "scheduler",
+                        max_loras={"default": None, "help": "override the profile's adapter slots"},
+                        max_num_seqs={"default": None, "help": None},
+                        scheduler={"default": None, "choices": None,
+                                   "help": "engine scheduler: fifo, sjf, vtc or chameleon (default: the profile's)"})
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the scheduler, e.g. refresh_s=60 (repeatable; docs/engine.md)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
@@ -102,8 +104,8 @@ def sim_args(p: argparse.ArgumentParser) -> None:
 def run_sim(args: argparse.Namespace) -> int:
     import time
 
+    from loraplex.latency.profile import load_profile
     from loraplex.sim.metrics import Slo
-    from loraplex.sim.profile import load_profile
     from loraplex.sim.results import write_results
 
     trace = _read(args.trace)
@@ -116,7 +118,7 @@ def run_sim(args: argparse.Namespace) -> int:
     overrides: dict = {k: v for k, v in (("max_loras", args.max_loras), ("max_num_seqs", args.max_num_seqs),
                                          ("scheduler", args.scheduler)) if v}
     if args.scheduler_option:
-        from loraplex.engine.schedulers import parse_scheduler_options
+        from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 
         try:
             overrides["scheduler_options"] = parse_scheduler_options(args.scheduler_option)
@@ -150,45 +152,13 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
     return run.results, run.summary, run.info
 
 
-def serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", required=True, help="trace file (JSONL)")
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--model", default=None, help="model name for requests without an adapter")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--vocab-size", type=int, default=1000, help="random prompt token ids are drawn below this")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results JSONL (default: results-<trace stem>.jsonl)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from loraplex.sim.loadgen import run
-
-    return run(args)
-
-
-def report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="results files of `bench serve` or `sim run --out`")
-    p.add_argument("--plots", default=None, help="folder for CDF and over-time PNGs (needs matplotlib)")
-    p.add_argument("--slo-ttft", type=float, default=None)
-
-
-def run_report(args: argparse.Namespace) -> int:
-    from loraplex.sim.report import run
-
-    return run(args)
-
-
-
 def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
-    p.add_argument("--max-loras", type=int, default=None,
-                   help="adapter slots per server for every policy; the planner's A_max may be lower. Default: "
+    add_engine_settings(p, "max_loras", max_loras={"default": None,
+                        "help": "adapter slots per server for every policy; the planner's A_max may be lower. Default: "
                         "each policy chooses its own when the profile's slots cost KV memory, else the "
-                        "profile's max_loras")
+                        "profile's max_loras"})
     p.add_argument("--compare", action="store_true",
                    help="also find the servers replicate-all and random need at the same SLO (slow)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (--compare, --slo-aware)")
@@ -217,8 +187,9 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def whatif_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
-    p.add_argument("--max-loras", type=int, default=32, help="the profile's default adapter slots")
-    p.add_argument("--max-lora-rank", type=int, default=32, help="slot size (the published constants cover <= 32)")
+    add_engine_settings(p, "max_loras", "max_lora_rank",
+                        max_loras={"default": 32, "help": "the profile's default adapter slots"},
+                        max_lora_rank={"default": 32, "help": "slot size (the published constants cover <= 32)"})
 
 
 def run_whatif(args: argparse.Namespace) -> int:

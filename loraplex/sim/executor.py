@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.messages import ExecutorResult, SchedulerOutput
 from loraplex.engine.request import SampledToken
-from loraplex.sim.features import FEATURES, SlotRanks
-from loraplex.sim.profile import Profile
+from loraplex.latency.features import FEATURES, SlotRanks
+from loraplex.latency.profile import Profile
+from loraplex.util.clock import ManualClock
 
 DUMMY_TOKEN = SampledToken(token_id=0)
 _LOAD_TERMS = (FEATURES.index("loads"), FEATURES.index("load_rank_sum"))

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loraplex.sim.features import FEATURES, StepFeatures
-from loraplex.sim.profile import FitReport
+from loraplex.latency.features import FEATURES, StepFeatures
+from loraplex.latency.profile import FitReport
 
 
 def fit_latency(samples: Sequence[tuple[StepFeatures, float]], terms: Sequence[str] = FEATURES

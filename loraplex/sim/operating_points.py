@@ -9,9 +9,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from loraplex.engine.config import EngineConfig
+from loraplex.latency.profile import Profile
 from loraplex.placement import OperatingPoints
 from loraplex.sim.capacity import saturation_rps
-from loraplex.sim.profile import Profile
 from loraplex.sim.trace import Trace, TraceRequest
 
 HEADROOM = 0.8  # run servers at 80% of saturation: short queues, the SLO holds

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore, EngineStats
-from loraplex.engine.paged_memory import no_adapter_pages
+from loraplex.engine.memory.paged_memory import no_adapter_pages
+from loraplex.latency.profile import Profile
 from loraplex.sim.executor import SimExecutor
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
@@ -20,10 +20,10 @@ from loraplex.sim.metrics import (
     summarize,
     trace_duration,
 )
-from loraplex.sim.profile import Profile
 from loraplex.sim.replay import check_fits, register_adapters, replay
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterInfo
+from loraplex.util.clock import ManualClock
 
 
 @dataclass

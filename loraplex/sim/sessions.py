@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loraplex.engine.core import EngineCore
-from loraplex.engine.memory_stats import MemoryStats
+from loraplex.engine.memory.stats import MemoryStats
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.sim.popularity import Popularity, weights
 
 DEFAULT_RANKS = (8, 16, 32, 64, 128)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loraplex.sim.profile import Memory, Profile
+from loraplex.latency.profile import Memory, Profile
 
 NAME = "whatif-h100-llama8b"
 # Llama-3.1-8B in bf16: the byte terms of the unified pool and of its copies

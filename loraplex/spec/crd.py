@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from loraplex.spec.engine_settings import ENGINE_SETTINGS
 from loraplex.spec.names import MAX_POOL_NAME_LENGTH, POOL_NAME_PATTERN, is_pool_name
 
 GROUP = "loraplex.io"
@@ -239,18 +240,18 @@ class EngineSpec(CrdModel):
         "loraplex", description="loraplex: our engine in the agent; vllm: an unmodified vLLM OpenAI server beside "
                                 "the agent (the vllm block), which registers it and loads its adapters")
 
-    max_model_len: int | None = Field(None, ge=16, description="Default: the model's own limit")
-    max_lora_rank: int = Field(64, ge=1, le=512)
-    max_loras: int = Field(8, ge=1, description="Adapter slots under memoryPolicy lru-static")
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=16)
-    block_size: int = Field(16, ge=1)
-    kv_cache_memory_gib: float | None = Field(None, gt=0, description="Default: sized from free memory")
-    scheduler: str = Field("fifo", pattern=r"^[a-z][a-z0-9-]{0,31}$", description="Engine scheduler by name")
+    # Declared in loraplex.spec.engine_settings, with the agent's flags of the same names.
+    max_model_len: int | None = ENGINE_SETTINGS["max_model_len"].crd_field()
+    max_lora_rank: int = ENGINE_SETTINGS["max_lora_rank"].crd_field()
+    max_loras: int = ENGINE_SETTINGS["max_loras"].crd_field()
+    max_num_seqs: int = ENGINE_SETTINGS["max_num_seqs"].crd_field()
+    max_num_batched_tokens: int = ENGINE_SETTINGS["max_num_batched_tokens"].crd_field()
+    block_size: int = ENGINE_SETTINGS["block_size"].crd_field()
+    kv_cache_memory_gib: float | None = ENGINE_SETTINGS["kv_cache_memory_gib"].crd_field()
+    scheduler: str = ENGINE_SETTINGS["scheduler"].crd_field()
     scheduler_options: dict[str, str] = Field(default_factory=dict, description="Knobs of the scheduler by name, "
                                               "e.g. refresh_s: '60' (--scheduler-option)")
-    memory_policy: str = Field("unified", pattern=r"^[a-z][a-z0-9-]{0,31}$",
-                               description="unified (one page pool, prefix and adapter cache), lru-static or no-cache")
+    memory_policy: str = ENGINE_SETTINGS["memory_policy"].crd_field()
     prefix_cache: bool = Field(True, description="Reuse the KV of earlier requests of the same adapter")
     memory_options: dict[str, str] = Field(default_factory=dict, description="Knobs of the memory policy by "
                                            "name, e.g. busy: '0.9' (--memory-option)")

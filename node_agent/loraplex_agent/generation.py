@@ -11,8 +11,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from loraplex.engine.messages import RequestOutput
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import NO_TOKEN, FinishReason, Request, SampledToken
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import LoraplexError
 from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.detokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer

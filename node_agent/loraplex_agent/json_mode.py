@@ -1,5 +1,5 @@
 """JSON mode in the sampler (`response_format: {"type": "json_object"}`): every token keeps the
-output a prefix of one JSON object (`loraplex.engine.json_grammar`), and once the object is closed
+output a prefix of one JSON object (`loraplex.engine.output.json_grammar`), and once the object is closed
 the output ends (EOS is forced).
 
 A constrained row walks the sampler's own ranking of the tokens, best first, and takes the first
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.engine.json_grammar import JsonPrefix
+from loraplex.engine.output.json_grammar import JsonPrefix
+from loraplex.engine.output.sampling import SamplingParams, TokenHistory
 from loraplex.engine.request import NO_TOKEN
-from loraplex.engine.sampling import SamplingParams, TokenHistory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -19,9 +19,9 @@ import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
-from loraplex.engine.schedulers import parse_scheduler_options
+from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters import AdapterStore, load_peft_adapter
@@ -44,7 +44,7 @@ class LLM:
                    max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
                    scheduler_options=parse_scheduler_options(getattr(args, "scheduler_option", None) or []),
-                   memory_policy=getattr(args, "memory_policy", "unified"),
+                   memory_policy=args.memory_policy,
                    prefix_cache=not getattr(args, "no_prefix_cache", False),
                    num_host_blocks=getattr(args, "num_host_blocks", None),
                    memory_options=parse_scheduler_options(getattr(args, "memory_option", None) or []),
@@ -55,11 +55,14 @@ class LLM:
                    threads=getattr(args, "threads", None))
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory: float | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, max_loras: int = 8, max_lora_rank: int = 64,
-                 scheduler: str = "fifo", scheduler_options: dict | None = None,
-                 memory_policy: str = "unified", prefix_cache: bool = True, num_host_blocks: int | None = None,
+                 max_model_len: int | None = None, block_size: int = EngineConfig.block_size,
+                 num_blocks: int | None = None, kv_cache_memory: float | None = None,
+                 max_num_seqs: int = EngineConfig.max_num_seqs,
+                 max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+                 max_loras: int = EngineConfig.max_loras, max_lora_rank: int = EngineConfig.max_lora_rank,
+                 scheduler: str = EngineConfig.scheduler, scheduler_options: dict | None = None,
+                 memory_policy: str = EngineConfig.memory_policy, prefix_cache: bool = True,
+                 num_host_blocks: int | None = None,
                  memory_options: dict | None = None, emulate_h2d_gbps: float | None = None,
                  cpu_assist: bool | None = None, cpu_assist_workers: int | None = None,
                  cuda_graphs: bool | None = None,

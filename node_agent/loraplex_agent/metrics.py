@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from loraplex.engine.memory_stats import MemoryStats
-from loraplex.engine.scheduler_stats import SchedulerStats
+from loraplex.engine.memory.stats import MemoryStats
+from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex_agent.async_engine import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -154,7 +154,7 @@ class EngineCollector(Collector):
                      "unified).", model, mem.invalid_kv_pages)
 
     def _scheduler(self, sched: SchedulerStats) -> Iterator[Metric]:
-        """The scheduler's queues, quotas and decisions (loraplex.engine.scheduler_stats)."""
+        """The scheduler's queues, quotas and decisions (loraplex.engine.scheduling.stats)."""
         model = [self.model_name]
         per_queue = [
             ("loraplex:scheduler_queue_length", "Waiting requests per scheduler queue (0 = smallest).",

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.engine.sampling import MAX_TOP_LOGPROBS
+from loraplex.engine.output.sampling import MAX_TOP_LOGPROBS
 from loraplex.spec.errors import InvalidRequestError
 
 # ---- requests -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """`loraplex profile`: time the real engine over a grid and fit the twin's step-latency model.
 
 Every engine step is timed whole (schedule + execute + update, the time the twin must
-reproduce) and described by the features of `loraplex.sim.features`. The grid has closed batches
+reproduce) and described by the features of `loraplex.latency.features`. The grid has closed batches
 (batch sizes x prompt lengths x adapter counts and ranks) and open-loop Poisson replays in which
 more adapters than device slots force adapter loads. `--check PROFILE` instead replays the same
 trace on the real engine and on the twin at three loads and prints the errors (docs/simulator.md).
@@ -25,21 +25,21 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cli import CommandError
-from loraplex.engine.clock import MonotonicClock
 from loraplex.engine.core import EngineCore
 from loraplex.engine.messages import ExecutorResult, SchedulerOutput
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
+from loraplex.latency.features import SlotRanks, StepFeatures
+from loraplex.latency.profile import PROFILE_VERSION, Memory, Profile, load_profile
 from loraplex.sim.capacity import saturation_rps
-from loraplex.sim.features import SlotRanks, StepFeatures
 from loraplex.sim.fit import fit_latency
 from loraplex.sim.metrics import Summary, offered_tokens, result_of, summarize, trace_duration
-from loraplex.sim.profile import PROFILE_VERSION, Memory, Profile, load_profile
 from loraplex.sim.replay import replay
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import MonotonicClock
 from loraplex_agent.executor import TorchExecutor
 from loraplex_agent.llm import LLM
 

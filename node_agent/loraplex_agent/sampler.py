@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.output.sampling import SamplingParams, TokenHistory
 from loraplex.engine.request import NO_TOKEN, SampledToken
-from loraplex.engine.sampling import SamplingParams, TokenHistory
 from loraplex_agent.json_mode import JsonMode, greedy_ranking, race_rankings
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space

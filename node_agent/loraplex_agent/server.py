@@ -27,8 +27,7 @@ from safetensors import SafetensorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loraplex.cli import CommandError
-from loraplex.spec.errors import AuthenticationError, InvalidRequestError, LoraplexError
+from loraplex.spec.errors import AuthenticationError, CommandError, InvalidRequestError, LoraplexError
 from loraplex.startup import listen_socket, open_store
 from loraplex_agent.adapters import load_peft_adapter
 from loraplex_agent.async_engine import AdapterRecord, AsyncEngine

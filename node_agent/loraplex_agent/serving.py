@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 from tokenizers import pre_tokenizers
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import SampledToken
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError
 from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.generation import GenerationJob

@@ -17,8 +17,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.generation import GenerationJob, TextDelta, generate_text
 from loraplex_agent.serving import ServingContext

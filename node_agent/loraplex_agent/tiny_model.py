@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cli import CommandError
+from loraplex.spec.errors import CommandError
 
 BASE_DIR_NAME = "base"
 ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

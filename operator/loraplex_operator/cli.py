@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loraplex.cli import CommandError, CommandRegistry
+from loraplex.cli import CommandRegistry
+from loraplex.spec.errors import CommandError
 
 DEFAULT_CRD_DIRS = ("crds", "helm/loraplex/files/crds")
 
@@ -16,10 +17,6 @@ def register(registry: CommandRegistry) -> None:
                  _run_operator)
     registry.add("crds generate", "Write the CustomResourceDefinitions generated from loraplex.spec.crd",
                  _crds_args, _run_crds)
-    from loraplex_operator import bench_scale  # stdlib-only at import; kubernetes and redis load in run
-
-    registry.add("bench operator-scale", "the operator at scale on a real API server (heartbeating test agents)",
-                 bench_scale.configure, bench_scale.run)
 
 
 def _operator_args(p: argparse.ArgumentParser) -> None:

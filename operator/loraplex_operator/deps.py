@@ -10,12 +10,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplex.engine.clock import Clock
 from loraplex.placement.controller import ControllerReport, PlacementController
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
 from loraplex.routing import RoutingStore
 from loraplex.spec.crd import AdapterPoolSpec, AdapterSource
+from loraplex.util.clock import Clock
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.inspect_source import AdapterFacts
 from loraplex_operator.kube import EventSink, KubeApi

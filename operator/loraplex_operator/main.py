@@ -11,8 +11,8 @@ import logging
 import random
 from typing import Any
 
-from loraplex.cli import CommandError
-from loraplex.engine.clock import WallClock
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import WallClock
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.spec.agent_flags import agent_flags, configmap_data
 from loraplex.spec.crd import AdapterPoolSpec
 from loraplex_operator import names
 from loraplex_operator.config import OperatorConfig
@@ -96,32 +98,17 @@ def fetch_model_container(spec: AdapterPoolSpec, image: str) -> dict[str, Any] |
 
 def agent_settings(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, str]:
     """The ConfigMap data: environment of every agent of the pool (the args refer to it as $(VAR))."""
-    engine = spec.engine
     data = {
         "LORAPLEX_POOL": pool.name,
         "LORAPLEX_REDIS_URL": config.redis_url,
         "LORAPLEX_HEARTBEAT_TTL": f"{config.heartbeat_ttl_seconds:g}",
         "LORAPLEX_MODEL": model_path(spec.base_model.source),
-        "LORAPLEX_SERVED_MODEL_NAME": spec.base_model.name,
-        "LORAPLEX_DTYPE": spec.base_model.dtype,
-        "LORAPLEX_MAX_LORA_RANK": str(engine.max_lora_rank),
-        "LORAPLEX_MAX_LORAS": str(engine.max_loras),
-        "LORAPLEX_MAX_NUM_SEQS": str(engine.max_num_seqs),
-        "LORAPLEX_MAX_NUM_BATCHED_TOKENS": str(engine.max_num_batched_tokens),
-        "LORAPLEX_BLOCK_SIZE": str(engine.block_size),
-        "LORAPLEX_SCHEDULER": engine.scheduler,
-        "LORAPLEX_MEMORY_POLICY": engine.memory_policy,
         "LORAPLEX_ADAPTER_DIR": ADAPTERS_DIR,
         "LORAPLEX_MODEL_DIR": MODELS_DIR,
         "HF_HOME": f"{MODELS_DIR}/.hf",
+        **configmap_data(agent_flags(spec)),
     }
-    if engine.max_model_len is not None:
-        data["LORAPLEX_MAX_MODEL_LEN"] = str(engine.max_model_len)
-    if engine.kv_cache_memory_gib is not None:
-        data["LORAPLEX_KV_CACHE_MEMORY"] = f"{engine.kv_cache_memory_gib:g}"
-    if uses_vllm(spec):
-        data.update(vllm_settings(spec))
-    return data
+    return data | dict(_backend(pool, spec, config).settings)
 
 
 def config_hash(data: Any) -> str:
@@ -134,17 +121,10 @@ def build_configmap(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig
             "data": agent_settings(pool, spec, config)}
 
 
-def build_vllm_plugin_configmap(pool: PoolRef) -> dict[str, Any]:
-    """The plug-in module the vLLM containers load (`--middleware loraplex_vllm.LoraplexMiddleware`)."""
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _metadata(pool, names.vllm_plugin_configmap_name(pool.name)), "data": plugin_data()}
-
-
-def build_service(pool: PoolRef, spec: AdapterPoolSpec | None = None) -> dict[str, Any]:
+def build_service(pool: PoolRef, backend: BackendParts | None = None) -> dict[str, Any]:
     """Headless; a vLLM pool's Service also names the vLLM port (the ServiceMonitor scrapes its metrics)."""
-    ports = [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT, "targetPort": names.AGENT_PORT_NAME}]
-    if spec is not None and uses_vllm(spec):
-        ports.append({"name": names.VLLM_PORT_NAME, "port": spec.engine.vllm.port, "targetPort": names.VLLM_PORT_NAME})
+    ports = [{"name": names.AGENT_PORT_NAME, "port": names.AGENT_PORT, "targetPort": names.AGENT_PORT_NAME},
+             *(backend.service_ports if backend else ())]
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(pool, names.service_name(pool.name)),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": names.selector_labels(pool.name), "ports": ports}}
@@ -157,43 +137,32 @@ def build_pdb(pool: PoolRef, spec: AdapterPoolSpec) -> dict[str, Any]:
                      "selector": {"matchLabels": names.selector_labels(pool.name)}}}
 
 
-def agent_args(spec: AdapterPoolSpec) -> list[str]:
-    """`loraplex agent` flags; values come from the ConfigMap environment so that one edit of the
-    ConfigMap (and its hash) is the whole change."""
-    if uses_vllm(spec):
-        return vllm_agent_args(spec)
-    args = ["agent", "--model", "$(LORAPLEX_MODEL)", "--served-model-name", "$(LORAPLEX_SERVED_MODEL_NAME)",
-            "--host", "0.0.0.0", "--port", str(names.AGENT_PORT), "--dtype", "$(LORAPLEX_DTYPE)",
-            "--max-lora-rank", "$(LORAPLEX_MAX_LORA_RANK)", "--max-loras", "$(LORAPLEX_MAX_LORAS)",
-            "--max-num-seqs", "$(LORAPLEX_MAX_NUM_SEQS)",
-            "--max-num-batched-tokens", "$(LORAPLEX_MAX_NUM_BATCHED_TOKENS)",
-            "--block-size", "$(LORAPLEX_BLOCK_SIZE)", "--scheduler", "$(LORAPLEX_SCHEDULER)",
+def agent_args(spec: AdapterPoolSpec, backend_args: Sequence[str] = ()) -> list[str]:
+    """`loraplex agent` flags: where the agent is, then the pool's settings (loraplex.spec.agent_flags,
+    as `loraplex up` passes them), their values read from the ConfigMap environment so that one edit of
+    the ConfigMap (and its hash) is the whole change; `engine.extra_args` last."""
+    flags = [f for f in agent_flags(spec) if not f.launch_only]
+    backend = [arg for f in flags if f.flag == "--backend" for arg in f.argv()]  # first: `agent --backend vllm`
+    settings = [arg for f in flags if f.flag != "--backend" for arg in f.argv(by_env=True)]
+    return ["agent", *backend, "--model", "$(LORAPLEX_MODEL)", "--host", "0.0.0.0", "--port", str(names.AGENT_PORT),
             "--redis-url", "$(LORAPLEX_REDIS_URL)", "--pool", "$(LORAPLEX_POOL)",
             "--server-id", "$(POD_NAME)", "--advertise-url", "$(LORAPLEX_ADVERTISE_URL)",
-            "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)"]
-    if spec.engine.max_model_len is not None:
-        args += ["--max-model-len", "$(LORAPLEX_MAX_MODEL_LEN)"]
-    if spec.engine.kv_cache_memory_gib is not None:
-        args += ["--kv-cache-memory", "$(LORAPLEX_KV_CACHE_MEMORY)"]
-    args += ["--memory-policy", "$(LORAPLEX_MEMORY_POLICY)"]
-    if not spec.engine.prefix_cache:
-        args.append("--no-prefix-cache")
-    for flag, options in (("--scheduler-option", spec.engine.scheduler_options),
-                          ("--memory-option", spec.engine.memory_options)):
-        for key, value in sorted(options.items()):
-            args += [flag, f"{key}={value}"]
-    return args + list(spec.engine.extra_args)
+            "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)",
+            *backend_args, *settings, *spec.engine.extra_args]
 
 
-def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec) -> list[dict[str, Any]]:
-    fqdn = f"$(POD_NAME).{names.service_name(pool.name)}.$(POD_NAMESPACE).svc"
+def _pod_url(pool: PoolRef, port: int) -> str:
+    """The pod's own address as the router and its peers reach it (through the headless Service)."""
+    return f"http://$(POD_NAME).{names.service_name(pool.name)}.$(POD_NAMESPACE).svc:{port}"
+
+
+def _env(pool: PoolRef, config: OperatorConfig, spec: AdapterPoolSpec, backend: BackendParts) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "LORAPLEX_ADVERTISE_URL", "value": f"http://{fqdn}:{names.AGENT_PORT}"},
+        {"name": "LORAPLEX_ADVERTISE_URL", "value": _pod_url(pool, names.AGENT_PORT)},
+        *backend.agent_env,
     ]
-    if uses_vllm(spec):  # the router sends requests to the vLLM container
-        env.append({"name": "LORAPLEX_VLLM_ADVERTISE_URL", "value": f"http://{fqdn}:{spec.engine.vllm.port}"})
     if config.agent_api_key_secret:
         env.append({"name": "LORAPLEX_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": config.agent_api_key_secret, "key": "api-key"}}})
@@ -229,26 +198,51 @@ def _security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def _containers(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> list[dict[str, Any]]:
-    """The agent; with engine.backend vllm, the vLLM server beside it (which gets the GPUs)."""
-    agent = _container(pool, spec, config)
+@dataclass(frozen=True)
+class BackendParts:
+    """What the pool's engine backend adds to its objects: nothing for our engine. Every difference of
+    a pool with `engine.backend: vllm` is made in `_backend`, so the builders have no branch on it."""
+
+    settings: Mapping[str, str] = field(default_factory=dict)  # more ConfigMap entries
+    agent_args: tuple[str, ...] = ()             # where the agent finds its server
+    agent_env: tuple[dict[str, Any], ...] = ()
+    agent_resources: dict[str, Any] | None = None  # the agent's instead of servers.resources (the server gets those)
+    containers: tuple[dict[str, Any], ...] = ()  # beside the agent
+    volumes: tuple[dict[str, Any], ...] = ()
+    service_ports: tuple[dict[str, Any], ...] = ()
+    objects: tuple[dict[str, Any], ...] = ()     # applied after the ConfigMap, before the pods
+    hashed: Mapping[str, str] = field(default_factory=dict)  # more data whose change rolls the pods
+
+
+def _backend(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> BackendParts:
     if not uses_vllm(spec):
-        return [agent]
-    vllm = vllm_container(spec, config.vllm_image, model_path(spec.base_model.source), _mounts(spec), ADAPTERS_DIR,
-                          _resources(spec), _security(), f"{MODELS_DIR}/.hf")
-    return [{**agent, "resources": AGENT_RESOURCES}, vllm]
+        return BackendParts()
+    port = spec.engine.vllm.port
+    server = vllm_container(spec, config.vllm_image, model_path(spec.base_model.source), _mounts(spec), ADAPTERS_DIR,
+                            _resources(spec), _security(), f"{MODELS_DIR}/.hf")
+    # the plug-in module the vLLM containers load (`--middleware loraplex_vllm.LoraplexMiddleware`)
+    plugin = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": _metadata(pool, names.vllm_plugin_configmap_name(pool.name)), "data": plugin_data()}
+    return BackendParts(
+        settings=vllm_settings(spec), agent_args=tuple(vllm_agent_args()),
+        # the router sends requests to the vLLM container
+        agent_env=({"name": "LORAPLEX_VLLM_ADVERTISE_URL", "value": _pod_url(pool, port)},),
+        agent_resources=AGENT_RESOURCES, containers=(server,), volumes=(plugin_volume(pool.name),),
+        service_ports=({"name": names.VLLM_PORT_NAME, "port": port, "targetPort": names.VLLM_PORT_NAME},),
+        objects=(plugin,), hashed=plugin_data())
 
 
-def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+def _container(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, backend: BackendParts) -> dict[str, Any]:
+    """The agent (with engine.backend vllm, beside the vLLM server, which gets the GPUs)."""
     return {
         "name": "agent",
         "image": agent_image(spec, config),
         "imagePullPolicy": spec.servers.image_pull_policy,
-        "args": agent_args(spec),
+        "args": agent_args(spec, backend.agent_args),
         "envFrom": [{"configMapRef": {"name": names.configmap_name(pool.name)}}],
-        "env": _env(pool, config, spec),
+        "env": _env(pool, config, spec, backend),
         "ports": [{"name": names.AGENT_PORT_NAME, "containerPort": names.AGENT_PORT}],
-        "resources": _resources(spec),
+        "resources": backend.agent_resources or _resources(spec),
         # Downloading and loading a large base model can take many minutes: the startup probe
         # allows 30 minutes before liveness takes over.
         "startupProbe": _probe("/health", 10, 180),
@@ -264,12 +258,11 @@ def agent_image(spec: AdapterPoolSpec, config: OperatorConfig) -> str:
     return spec.servers.image or config.agent_image_for(spec.servers.gpus_per_server)
 
 
-def _volumes(pool: PoolRef, spec: AdapterPoolSpec) -> list[dict[str, Any]]:
+def _volumes(spec: AdapterPoolSpec, backend: BackendParts) -> list[dict[str, Any]]:
     """The pod's volumes; with servers.modelCache the models volume is the server's own claim instead."""
     models = [] if spec.servers.model_cache else [{"name": MODELS_VOLUME, "emptyDir": {}}]
-    plugin = [plugin_volume(pool.name)] if uses_vllm(spec) else []
     return [*models, {"name": ADAPTERS_VOLUME, "emptyDir": {}}, {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
-            *spec.servers.volumes, *plugin]
+            *spec.servers.volumes, *backend.volumes]
 
 
 def _init_containers(spec: AdapterPoolSpec, image: str) -> list[dict[str, Any]]:
@@ -292,13 +285,13 @@ def _scheduling(spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]
     return {key: value for key, value in fields.items() if value}
 
 
-def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+def _pod_spec(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, backend: BackendParts) -> dict[str, Any]:
     pod: dict[str, Any] = {
-        "containers": _containers(pool, spec, config),
+        "containers": [_container(pool, spec, config, backend), *backend.containers],
         "securityContext": {"runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
                             "fsGroup": USER_ID},
         "terminationGracePeriodSeconds": 60,  # lets running requests finish
-        "volumes": _volumes(pool, spec),
+        "volumes": _volumes(spec, backend),
         **_scheduling(spec, config),
     }
     init = _init_containers(spec, agent_image(spec, config))
@@ -324,8 +317,8 @@ def _template_metadata(pool: PoolRef, spec: AdapterPoolSpec, settings_hash: str)
 
 
 def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> dict[str, Any]:
-    settings = agent_settings(pool, spec, config)
-    settings_hash = config_hash({**settings, **plugin_data()} if uses_vllm(spec) else settings)
+    backend = _backend(pool, spec, config)
+    settings_hash = config_hash({**agent_settings(pool, spec, config), **backend.hashed})
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _metadata(pool, names.statefulset_name(pool.name)),
@@ -337,7 +330,7 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
             "selector": {"matchLabels": names.selector_labels(pool.name)},
             "template": {"metadata": _template_metadata(pool, spec, settings_hash),
-                         "spec": _pod_spec(pool, spec, config)},
+                         "spec": _pod_spec(pool, spec, config, backend)},
             **({"volumeClaimTemplates": claims} if (claims := _claim_templates(pool, spec)) else {}),
         },
     }
@@ -345,6 +338,6 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
 
 def pool_objects(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> list[dict[str, Any]]:
     """Everything the pool owns, in the order to apply it (the ConfigMap before the pods that read it)."""
-    plugin = [build_vllm_plugin_configmap(pool)] if uses_vllm(spec) else []
-    return [build_configmap(pool, spec, config), *plugin, build_service(pool, spec), build_pdb(pool, spec),
+    backend = _backend(pool, spec, config)
+    return [build_configmap(pool, spec, config), *backend.objects, build_service(pool, backend), build_pdb(pool, spec),
             build_statefulset(pool, spec, config, replicas)]

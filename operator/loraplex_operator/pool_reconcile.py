@@ -6,9 +6,9 @@ kopf index) and the Deps."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from loraplex.engine.policy_check import check_policies
+from loraplex.engine.policy_check import engine_error
 from loraplex.placement.snapshot import PlacementError
 from loraplex.routing import (
     DEFAULT_WINDOWS,
@@ -51,7 +51,7 @@ from loraplex_operator.pool_objects import (
 )
 from loraplex_operator.pool_policy import MAX_SERVER_LOAD
 from loraplex_operator.pool_routes import PoolRoutes, Synced
-from loraplex_operator.pool_sizing import INVALID_SIZING, planner_sizing, size_with_planner
+from loraplex_operator.pool_sizing import INVALID_SIZING, Sizing, planner_sizing, size_with_planner
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
 from loraplex_operator.replica_bounds import replica_bounds
 from loraplex_operator.scaling import ScaleDecision, decide_replicas, short_of_capacity, with_shortfall
@@ -107,11 +107,9 @@ def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
     conflicts = volume_conflicts(spec)
     if conflicts:
         return VOLUME_CONFLICT, conflicts
-    engine = spec.engine
-    try:  # the agents would refuse these at start-up, one crash loop per pod
-        check_policies(engine.scheduler, engine.scheduler_options, engine.memory_policy, engine.memory_options)
-    except ValueError as exc:
-        return INVALID_ENGINE, f"engine: {exc}"
+    error = engine_error(spec.engine)  # the agents would refuse it at start-up, one crash loop per pod
+    if error:
+        return INVALID_ENGINE, f"engine: {error}"
     error = routing_error(pool_routing(spec))  # the router's own check: it would refuse the choice
     if error:
         return INVALID_ROUTING, f"routing: {error}"
@@ -326,65 +324,120 @@ def _planner_floor(deployments: Sequence[DeploymentInfo]) -> int:
     return max((d.spec.replicas.min for d in deployments), default=1)
 
 
+@dataclass
+class _Observed:
+    """What one tick found: the pool's table and servers after syncing its registry (and placing, when
+    a placement was due), what that placement said, and the plan; a failure of the store or the
+    placement leaves the rest as it was when the failure came."""
+
+    findings: Findings
+    last_placement: float | None
+    table: RoutingTable | None = None
+    servers: Sequence[ServerRecord] = ()
+    sizing: Sizing | None = None
+    records: Mapping[str, AdapterRecord] = field(default_factory=dict)
+    demand: DemandWindows | None = None
+    store_error: str = ""
+    synced: bool = False  # the whole sync ran: the adapters' statuses may be refreshed from it
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    required: int | None     # servers the pool needs (None: no estimate yet)
+    sizing: Sizing | None    # the planner's, with sizing.estimator planner
+    failure: tuple[str, str]  # (reason, message) that makes the pool Failed; ("", "") when none
+    scale: ScaleDecision
+
+
 def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
               deployments: Sequence[DeploymentInfo], ready_pods: frozenset[str], deps: Deps) -> TickResult:
+    """Observe (sync the registry and the table, place when due), decide (servers required, failure,
+    scale), apply (adapter statuses, the StatefulSet's replicas), then the pool's status and events."""
     now = deps.clock.now()
-    last = parse_time(previous.last_placement_time) if previous else None
-    findings = _previous_findings(previous)
-    by_planner = spec.sizing.estimator == "planner"
-    table, servers, store_error, events, sizing = None, [], "", [], None
+    seen = _observe(ref, spec, previous, deployments, ready_pods, deps, now)
+    decision = _decide(ref.name, spec, previous, deployments, seen, deps, now)
+    scale, new_replicas, applied = _apply(ref, spec, deployments, seen, decision, deps)
+    view = PoolView(ref.name, generation, scale.replicas, len(ready_pods), seen.table, seen.servers,
+                    decision.required, seen.store_error, seen.findings.overloaded, seen.findings.max_server_load,
+                    spec.servers.max_replicas if spec.placement.autoscale else None,
+                    decision.sizing.slots if decision.sizing else (),
+                    decision.sizing.condition if decision.sizing else None, decision.failure)
+    status = pool_status(view, previous, seen.last_placement, scale.below_since, now)
+    events = [*seen.events, *(decision.sizing.events if decision.sizing else ()), *applied]
+    return TickResult(status, new_replicas, events + _tick_events(previous, status, seen.table))
+
+
+def _observe(ref: ObjectRef, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
+             deployments: Sequence[DeploymentInfo], ready_pods: frozenset[str], deps: Deps, now: float) -> _Observed:
+    seen = _Observed(_previous_findings(previous), parse_time(previous.last_placement_time) if previous else None)
     try:
-        store = deps.store(ref.name)
-        routes = deps.routes(ref.name)
-        routes.ready_pods = ready_pods
-        routes.bounds = replica_bounds((d.name, d.spec.replicas) for d in deployments)
-        records = {r.name: r for r in store.adapters()}
-        if _prune_registry(spec, deployments, records, deps, store) or _reregister(ref, spec, deployments, records, deps):
-            records = {r.name: r for r in store.adapters()}
-        table, servers = _route_as_specified(routes, spec, routes.sync())
-        due = placement_due(previous.last_placement_time if previous else None,
-                            spec.placement.interval_seconds, now)
-        if by_planner:  # before placing: a failed placement must not hold the plan back
-            sizing = size_with_planner(ref.name, spec, previous, _planner_floor(deployments), due, deps)
-        demand = None
-        if due:
-            last, findings = now, _place(ref.name, spec, deployments, deps)
-            table, servers = routes.sync()
-            demand = store.demand_windows(now, DEFAULT_WINDOWS)
-        _refresh_deployments(ref, spec, deployments, records, table, servers, demand, deps)
+        _sync(ref, spec, previous, deployments, ready_pods, deps, now, seen)
     except (StoreUnavailableError, StaleVersionError) as exc:
-        store_error = str(exc)
+        seen.store_error = str(exc)
     except PlacementError as exc:
-        events.append(Event("Warning", "PlacementFailed", str(exc)))
-    if by_planner and sizing is None:  # the store failed first: the last plan stands
+        seen.events.append(Event("Warning", "PlacementFailed", str(exc)))
+    return seen
+
+
+def _sync(ref: ObjectRef, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
+          deployments: Sequence[DeploymentInfo], ready_pods: frozenset[str], deps: Deps, now: float,
+          seen: _Observed) -> None:
+    """Fills `seen` step by step, so that what came before a failure stays."""
+    store = deps.store(ref.name)
+    routes = deps.routes(ref.name)
+    routes.ready_pods = ready_pods
+    routes.bounds = replica_bounds((d.name, d.spec.replicas) for d in deployments)
+    seen.records = {r.name: r for r in store.adapters()}
+    if _prune_registry(spec, deployments, seen.records, deps, store) or _reregister(ref, spec, deployments,
+                                                                                   seen.records, deps):
+        seen.records = {r.name: r for r in store.adapters()}
+    seen.table, seen.servers = _route_as_specified(routes, spec, routes.sync())
+    due = placement_due(previous.last_placement_time if previous else None, spec.placement.interval_seconds, now)
+    if spec.sizing.estimator == "planner":  # before placing: a failed placement must not hold the plan back
+        seen.sizing = size_with_planner(ref.name, spec, previous, _planner_floor(deployments), due, deps)
+    if due:
+        seen.last_placement, seen.findings = now, _place(ref.name, spec, deployments, deps)
+        seen.table, seen.servers = routes.sync()
+        seen.demand = store.demand_windows(now, DEFAULT_WINDOWS)
+    seen.synced = True
+
+
+def _decide(pool: str, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
+            deployments: Sequence[DeploymentInfo], seen: _Observed, deps: Deps, now: float) -> _Decision:
+    sizing = seen.sizing
+    if spec.sizing.estimator == "planner" and sizing is None:  # the store failed first: the last plan stands
         sizing = planner_sizing(None, previous, _planner_floor(deployments))
-    if not by_planner:
-        deps.planner.forget(ref.name)
-    required = sizing.required if sizing else findings.required_with_shortfall(len(servers))
-    events += sizing.events if sizing else ()
+    required = sizing.required if sizing else seen.findings.required_with_shortfall(len(seen.servers))
     failure = spec_failure(spec)
     if not failure[0]:
-        failure = deps.apply_failures.get(ref.name) or ((INVALID_SIZING, sizing.invalid) if sizing and sizing.invalid
-                                                        else ("", ""))
-    decision = _scale(spec, required, previous, now) if not (store_error or failure[0]) else ScaleDecision(
-        spec.servers.desired_replicas, None)
-    new_replicas = None
-    if decision.replicas != spec.servers.desired_replicas:
-        try:
-            deps.kube.apply(build_statefulset(_pool_ref(ref), spec, deps.config, decision.replicas))
-            new_replicas = decision.replicas
-            events.append(Event("Normal", decision.reason or "Scaled", f"servers {spec.servers.desired_replicas} "
-                                f"-> {decision.replicas} (required {required})"))
-        except KubeError as exc:
-            events.append(Event("Warning", "ScaleFailed", f"servers {spec.servers.desired_replicas} -> "
-                                f"{decision.replicas}: {exc.message}"))
-            decision = ScaleDecision(spec.servers.desired_replicas, decision.below_since)
-    view = PoolView(ref.name, generation, decision.replicas, len(ready_pods), table, servers,
-                    required, store_error, findings.overloaded, findings.max_server_load,
-                    spec.servers.max_replicas if spec.placement.autoscale else None,
-                    sizing.slots if sizing else (), sizing.condition if sizing else None, failure)
-    status = pool_status(view, previous, last, decision.below_since, now)
-    return TickResult(status, new_replicas, events + _tick_events(previous, status, table))
+        failure = deps.apply_failures.get(pool) or ((INVALID_SIZING, sizing.invalid) if sizing and sizing.invalid
+                                                    else ("", ""))
+    if seen.store_error or failure[0]:
+        scale = ScaleDecision(spec.servers.desired_replicas, None)
+    else:
+        scale = _scale(spec, required, previous, now)
+    return _Decision(required, sizing, failure, scale)
+
+
+def _apply(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo], seen: _Observed,
+           decision: _Decision, deps: Deps) -> tuple[ScaleDecision, int | None, list[Event]]:
+    """The adapters' statuses, then the StatefulSet's replicas. Returns the scale that holds, the new
+    spec.servers.replicas (None: unchanged) and the events."""
+    if seen.synced:
+        _refresh_deployments(ref, spec, deployments, seen.records, seen.table, seen.servers, seen.demand, deps)
+    if spec.sizing.estimator != "planner":
+        deps.planner.forget(ref.name)
+    scale, current = decision.scale, spec.servers.desired_replicas
+    if scale.replicas == current:
+        return scale, None, []
+    try:
+        deps.kube.apply(build_statefulset(_pool_ref(ref), spec, deps.config, scale.replicas))
+    except KubeError as exc:
+        return ScaleDecision(current, scale.below_since), None, [
+            Event("Warning", "ScaleFailed", f"servers {current} -> {scale.replicas}: {exc.message}")]
+    return scale, scale.replicas, [Event("Normal", scale.reason or "Scaled",
+                                         f"servers {current} -> {scale.replicas} (required {decision.required})")]
 
 
 def forget_pool(pool: str, namespace: str, deployments: Sequence[DeploymentInfo], deps: Deps) -> None:

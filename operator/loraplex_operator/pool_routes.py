@@ -11,10 +11,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from loraplex.engine.clock import Clock
 from loraplex.placement.controller import ControllerReport, PlacementController
 from loraplex.routing import RoutingStore, RoutingTable, ServerRecord, StaleVersionError
 from loraplex.routing.choice import RoutingChoice
+from loraplex.util.clock import Clock
 from loraplex_operator.coalesce import Coalescer
 from loraplex_operator.replica_bounds import ReplicaBounds
 from loraplex_operator.table_edits import sync_with_registry

@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from loraplex.latency.profile import Profile, load_profile
 from loraplex.placement.controller import build_input
 from loraplex.sim.planner import plan
-from loraplex.sim.profile import Profile, load_profile
 from loraplex.spec.crd import AdapterPoolSpec, AdapterPoolStatus, Condition
 from loraplex_operator.adapter_status import Event
 from loraplex_operator.deps import Deps

@@ -13,10 +13,10 @@ import json
 import math
 from collections.abc import Sequence
 
+from loraplex.latency.profile import Profile
 from loraplex.placement.snapshot import PlacementAdapter
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner import AdapterDemand, TwinOracle, WorkloadSummary
-from loraplex.sim.profile import Profile
 from loraplex.spec.crd import AdapterPoolSpec, SizingSpec, SloSpec
 
 RATE_STEP = 1.05

@@ -38,23 +38,13 @@ def vllm_launch(spec: AdapterPoolSpec, model_dir: str) -> VllmLaunch:
 
 
 def vllm_settings(spec: AdapterPoolSpec) -> dict[str, str]:
-    """ConfigMap entries the agent needs beside a vLLM server (read as $(VAR) in its args)."""
-    engine = spec.engine
-    return {"LORAPLEX_BACKEND": "vllm", "LORAPLEX_MAX_CPU_LORAS": str(engine.adapter_slots),
-            "LORAPLEX_VLLM_URL": f"http://127.0.0.1:{engine.vllm.port}"}
+    """ConfigMap entries the agent needs beside a vLLM server, besides its flags' (read as $(VAR))."""
+    return {"LORAPLEX_BACKEND": "vllm", "LORAPLEX_VLLM_URL": f"http://127.0.0.1:{spec.engine.vllm.port}"}
 
 
-def vllm_agent_args(spec: AdapterPoolSpec) -> list[str]:
-    """`loraplex agent --backend vllm` beside the pod's vLLM container."""
-    return ["agent", "--backend", "vllm", "--model", "$(LORAPLEX_MODEL)",
-            "--served-model-name", "$(LORAPLEX_SERVED_MODEL_NAME)", "--host", "0.0.0.0", "--port", str(names.AGENT_PORT),
-            "--max-lora-rank", "$(LORAPLEX_MAX_LORA_RANK)", "--max-loras", "$(LORAPLEX_MAX_LORAS)",
-            "--max-cpu-loras", "$(LORAPLEX_MAX_CPU_LORAS)", "--vllm-url", "$(LORAPLEX_VLLM_URL)",
-            "--vllm-advertise-url", "$(LORAPLEX_VLLM_ADVERTISE_URL)",
-            "--redis-url", "$(LORAPLEX_REDIS_URL)", "--pool", "$(LORAPLEX_POOL)",
-            "--server-id", "$(POD_NAME)", "--advertise-url", "$(LORAPLEX_ADVERTISE_URL)",
-            "--heartbeat-ttl", "$(LORAPLEX_HEARTBEAT_TTL)", "--adapter-store", "$(LORAPLEX_ADAPTER_DIR)",
-            *spec.engine.extra_args]
+def vllm_agent_args() -> list[str]:
+    """Where the agent finds the pod's vLLM server, and where the router is to send requests."""
+    return ["--vllm-url", "$(LORAPLEX_VLLM_URL)", "--vllm-advertise-url", "$(LORAPLEX_VLLM_ADVERTISE_URL)"]
 
 
 def vllm_container(spec: AdapterPoolSpec, image: str, model_dir: str, mounts: list[dict[str, Any]], read_only: str,

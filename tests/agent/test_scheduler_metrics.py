@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.core import EngineStats
-from loraplex.engine.scheduler_stats import PredictorStats, QueueStats, SchedulerStats
+from loraplex.engine.scheduling.stats import PredictorStats, QueueStats, SchedulerStats
 
 
 def scrape(snapshot: EngineSnapshot) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from loraplex_agent.bench_engine import PassResult, make_workload, parse_counts, ratios, summarise
+from loraplex_bench.engine import PassResult, make_workload, parse_counts, ratios, summarise
 
 from loraplex.cli import main
 

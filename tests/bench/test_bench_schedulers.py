@@ -9,11 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from loraplex.cli import main
-from loraplex.sim.profile import load_profile
-from loraplex.sim.replay import register_adapters
-from loraplex.sim.scheduler_compare import (
+from loraplex_bench.scheduler_compare import (
     TWIN_STOP_ID,
     TraceSpec,
     at_rate,
@@ -22,6 +18,10 @@ from loraplex.sim.scheduler_compare import (
     slo_throughput,
     unit_trace,
 )
+
+from loraplex.cli import main
+from loraplex.latency.profile import load_profile
+from loraplex.sim.replay import register_adapters
 from loraplex.sim.server import make_sim_engine, sim_prompt
 
 SCHEDULERS = {"chameleon", "fifo", "sjf", "vtc"}

@@ -30,9 +30,8 @@ from loraplex_agent.cluster.settings import ClusterSettings
 from loraplex_agent.cluster.sources import SourcePolicy, fetch_source
 from loraplex_router.threaded_server import ThreadedServer
 
-from loraplex.cli import CommandError
 from loraplex.routing.records import AdapterRecord
-from loraplex.spec.errors import AdapterError, InvalidRequestError
+from loraplex.spec.errors import AdapterError, CommandError, InvalidRequestError
 
 HTTP = SourcePolicy(frozenset({"file", "http", "s3", "gs", "hf"}))
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from loraplex_router.local_stack import LocalStack, StackConfig
 
-from loraplex.engine.clock import ManualClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.records import ServerRecord
+from loraplex.util.clock import ManualClock
 
 SERVERS = ("s0", "s1", "s2")
 

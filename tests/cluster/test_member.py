@@ -16,11 +16,11 @@ from loraplex_agent.cluster.sources import SourcePolicy
 from loraplex_agent.llm import LLM
 from waiting import wait_until
 
-from loraplex.engine.clock import MonotonicClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.table import RoutingTable, make_entry
 from loraplex.spec.errors import OverloadedError
+from loraplex.util.clock import MonotonicClock
 
 ME, OTHER = "me", "other"
 

@@ -17,11 +17,12 @@ from loraplex_router.local_stack import LocalStack, StackConfig, config_from_arg
 from loraplex_router.manifests import ManifestError
 from waiting import wait_until
 
-from loraplex.cli import CommandError, build_registry
-from loraplex.engine.clock import ManualClock
+from loraplex.cli import build_registry
 from loraplex.routing.choice import RoutingChoice
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.records import ServerRecord
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import ManualClock
 
 LORAPLEX = str(Path(sys.executable).parent / "loraplex")
 

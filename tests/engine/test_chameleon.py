@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 from sched_harness import drain, is_running, make_core, req, running_ids
 
-from loraplex.engine.chameleon import SPARE, ChameleonOptions
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.memory_gate import PageGate
+from loraplex.engine.memory.gate import PageGate
 from loraplex.engine.request import RequestStatus
+from loraplex.engine.scheduling.chameleon import SPARE, ChameleonOptions
 
 STATIC = {"refresh_s": 1e9}  # no timer refresh during a test
 

@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from loraplex.engine.clock import ManualClock
-from loraplex.engine.dependency_tree import DependencyTree, NodeKind, Released, Tier, TreeNode
-from loraplex.engine.page_pool import PageKind
+from loraplex.engine.memory.dependency_tree import DependencyTree, NodeKind, Released, Tier, TreeNode
+from loraplex.engine.memory.page_pool import PageKind
 from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import ManualClock
 
 A1 = AdapterId("a", "sha256:1111")
 A2 = AdapterId("a", "sha256:2222")  # the same name uploaded again with other weights

@@ -6,13 +6,13 @@ import pytest
 from sched_harness import assert_no_running_kv
 from toy_executor import ToyExecutor
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import FinishReason, Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import ConflictError, InvalidRequestError, NotFoundError
+from loraplex.util.clock import ManualClock
 
 SCHEDULERS = ["fifo", "sjf", "vtc", "chameleon"]
 ADAPTERS = [AdapterInfo(AdapterId(f"a{i}", f"sha256:{i:064x}"), rank=8 * (i % 4 + 1), size_bytes=1000)

@@ -9,7 +9,7 @@ import json
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.json_grammar import JsonPrefix, is_json_object, is_json_object_prefix
+from loraplex.engine.output.json_grammar import JsonPrefix, is_json_object, is_json_object_prefix
 
 WHITESPACE = " \t\n\r"
 

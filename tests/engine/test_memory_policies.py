@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from toy_executor import ToyExecutor
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.util.clock import ManualClock
 
 POLICIES = ["unified", "lru-static", "no-cache"]
 ADAPTERS = [AdapterInfo(AdapterId(f"m{i}", f"sha256:{i:064x}"), rank=8 << (i % 3), size_bytes=1000) for i in range(5)]

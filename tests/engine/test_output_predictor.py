@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.output_predictor import OutputLengthPredictor, PredictorOptions
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import FinishReason, Request
-from loraplex.engine.sampling import SamplingParams
-from loraplex.engine.sjf import learn_output, predict_output
+from loraplex.engine.scheduling.output_predictor import OutputLengthPredictor, PredictorOptions
+from loraplex.engine.scheduling.sjf import learn_output, predict_output
 from loraplex.spec.adapter import AdapterId
 
 A, B, C = (AdapterId(n, f"sha256:{n}") for n in "abc")

@@ -4,7 +4,7 @@ its first share), the whole list with the first token, nothing left behind by an
 from __future__ import annotations
 
 from loraplex.engine.messages import PromptLogprobs, RequestOutput
-from loraplex.engine.prompt_logprobs import PromptLogprobsCollector
+from loraplex.engine.output.prompt_logprobs import PromptLogprobsCollector
 from loraplex.engine.request import SampledToken
 
 

@@ -6,9 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplex.engine.queue_plan import boundaries, choose_k, classify, kmeans_1d, kmeans_path, plan_boundaries
-from loraplex.engine.quotas import QueueLoad, min_quota, plan_quotas
-from loraplex.engine.wrs import SizeModel
+from loraplex.engine.scheduling.queue_plan import (
+    boundaries,
+    choose_k,
+    classify,
+    kmeans_1d,
+    kmeans_path,
+    plan_boundaries,
+)
+from loraplex.engine.scheduling.quotas import QueueLoad, min_quota, plan_quotas
+from loraplex.engine.scheduling.wrs import SizeModel
 
 SIZE = SizeModel(max_in=1000, max_out=2000, max_rank=128, block_size=16)
 

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_harness import SCHEDULER_NAMES, assert_no_running_kv, make_core, req
 
-from loraplex.engine.chameleon import SPARE, ChameleonScheduler
 from loraplex.engine.request import RequestStatus
+from loraplex.engine.scheduling.chameleon import SPARE, ChameleonScheduler
 
 # chameleon reconfigures often here: refreshes, load shifts and re-bucketing all get exercised
 BUSY_CHAMELEON = {"min_samples": 4, "refresh_s": 0.5, "shift_window_s": 0.4, "max_bypasses": 2}

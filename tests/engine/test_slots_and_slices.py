@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from loraplex.engine.adapter_residency import LruResidency
+from loraplex.engine.memory.adapter_residency import LruResidency
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId
 
 

@@ -11,7 +11,7 @@ import torch
 from loraplex_agent.llm import LLM
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

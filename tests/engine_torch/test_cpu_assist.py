@@ -16,7 +16,7 @@ from loraplex_agent.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 
 SLOW_COPY_GBPS = 0.05  # a rank-64 adapter of the tiny model then takes ~0.1 s to copy: many steps
 ENGINE = dict(max_model_len=128, num_blocks=400)

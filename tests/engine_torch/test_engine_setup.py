@@ -10,7 +10,7 @@ from loraplex_agent.device import kv_block_bytes, num_kv_blocks, resolve_device,
 from loraplex_agent.llm import LLM
 from loraplex_agent.model_config import ModelConfig
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 
 CPU = torch.device("cpu")

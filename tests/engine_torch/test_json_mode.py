@@ -15,9 +15,9 @@ from loraplex_agent.llm import LLM
 from loraplex_agent.sampler import Sampler
 from oracle_cases import prompts
 
-from loraplex.engine.json_grammar import JsonPrefix
+from loraplex.engine.output.json_grammar import JsonPrefix
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import NO_TOKEN, FinishReason, Request
-from loraplex.engine.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 1

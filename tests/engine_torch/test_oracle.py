@@ -8,7 +8,7 @@ import pytest
 from loraplex_agent.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 
 
 def make_llm(tiny_model, **engine) -> LLM:

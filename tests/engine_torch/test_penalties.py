@@ -13,8 +13,8 @@ from loraplex_agent.sampler import Sampler, TokenTensors, adjust
 from oracle_cases import prompts
 from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError
 
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ import torch
 from loraplex_agent.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 
 TOP = 3
 SCORED = replace(GREEDY, prompt_logprobs=TOP)

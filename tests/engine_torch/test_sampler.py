@@ -7,7 +7,7 @@ import math
 import torch
 from loraplex_agent.sampler import Sampler, restrict
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 VOCAB = 50

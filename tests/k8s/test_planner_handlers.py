@@ -14,10 +14,10 @@ from loraplex_operator.handlers import adapter_changed
 from loraplex_operator.sizing import rounded_rate
 from operator_world import NS, World
 
+from loraplex.latency.profile import load_profile
 from loraplex.routing.demand import DEFAULT_WINDOW_S, bucket_of
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner import AdapterDemand, Plan, TwinOracle, WorkloadSummary, plan
-from loraplex.sim.profile import load_profile
 
 SIZING = {"estimator": "planner", "profile": "cpu-tiny", "oracleSeconds": 5, "promptTokens": 256, "outputTokens": 64}
 POOL = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},

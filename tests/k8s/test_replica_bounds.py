@@ -7,7 +7,6 @@ import pytest
 from loraplex_operator.pool_policy import MAX_SERVER_LOAD, PoolPolicy, server_loads
 from loraplex_operator.replica_bounds import ReplicaBounds, replica_bounds
 
-from loraplex.engine.clock import ManualClock
 from loraplex.placement import (
     DEFAULT_CPU,
     Placement,
@@ -20,6 +19,7 @@ from loraplex.placement import (
 from loraplex.placement.max_replicas import cap_placement, cap_routes
 from loraplex.routing import AdapterRecord, InMemoryRoutingStore, ServerRecord
 from loraplex.spec.crd import ReplicasSpec
+from loraplex.util.clock import ManualClock
 
 D = "sha256:" + "a" * 64
 

@@ -17,10 +17,10 @@ from loraplex_operator.sizing import (
 )
 from pydantic import ValidationError
 
+from loraplex.latency.profile import load_profile
 from loraplex.placement.snapshot import PlacementAdapter
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner import Plan, PlanError
-from loraplex.sim.profile import load_profile
 from loraplex.spec.crd import AdapterPoolSpec, AdapterPoolStatus, Condition, SizingSpec
 
 SIZING = SizingSpec(estimator="planner", profile="cpu-tiny", prompt_tokens=256, output_tokens=64)

@@ -13,7 +13,7 @@ from loraplex_agent.decode_graphs import DecodeGraphs  # noqa: E402
 from loraplex_agent.llm import LLM  # noqa: E402
 from oracle_cases import prompts  # noqa: E402
 
-from loraplex.engine.sampling import SamplingParams  # noqa: E402
+from loraplex.engine.output.sampling import SamplingParams  # noqa: E402
 
 ADAPTERS = ["lora00-r8", None, "lora03-r64"]
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -3,9 +3,9 @@ import threading
 import pytest
 import redis
 
-from loraplex.engine.clock import ManualClock
 from loraplex.placement import DEFAULT_CPU, PlacementController, make_policy
 from loraplex.routing import AdapterRecord, InMemoryRoutingStore, ServerRecord
+from loraplex.util.clock import ManualClock
 
 TTL = 5.0
 

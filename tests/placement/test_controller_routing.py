@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loraplex.engine.clock import ManualClock
 from loraplex.placement import DEFAULT_CPU, PlacementController, make_policy
 from loraplex.routing import AdapterRecord, InMemoryRoutingStore, ServerRecord
 from loraplex.routing.choice import RoutingChoice
+from loraplex.util.clock import ManualClock
 
 RANK_AWARE = RoutingChoice("rank-aware", {"slo_tpot_s": "0.05"})
 

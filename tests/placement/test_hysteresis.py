@@ -5,10 +5,10 @@ import random
 from dataclasses import replace
 
 import pytest
+from loraplex_bench.placement_timing import synthetic_input
 from placement_cases import OP, random_input, server_loads
 
 from loraplex.placement import PlacementInput, PlacementServer, make_policy
-from loraplex.placement.bench import synthetic_input
 
 
 def _moved(before, after) -> float:

@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
-from loraplex_router.echo_server import EchoServer
 from loraplex_router.threaded_server import ThreadedServer
 
-from loraplex.engine.clock import MonotonicClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import make_profile
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.table import RoutingTable, make_entry
+from loraplex.util.clock import MonotonicClock
 
 BASE = "tiny-base"
 DIGEST = "sha256:" + "0" * 64

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from loraplex_router.bench_reliability import Sent, _summary, run
+from loraplex_bench.reliability import Sent, _summary, run
 
-from loraplex.cli import CommandError
+from loraplex.spec.errors import CommandError
 
 
 def test_lost_requests_and_cut_streams_are_told_apart():

@@ -21,17 +21,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
-from loraplex_router.echo_server import EchoServer
 from loraplex_router.threaded_server import ThreadedServer
 from processes import wait_healthy
 
-from loraplex.engine.clock import MonotonicClock
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import make_profile
 from loraplex.routing.records import ServerRecord
+from loraplex.util.clock import MonotonicClock
 
 LORAPLEX = str(Path(sys.executable).parent / "loraplex")
 BASE = "tiny-base"

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
-from loraplex_router.echo_server import EchoServer
 from loraplex_router.threaded_server import ThreadedServer
 
 from loraplex.routing.choice import RoutingChoice

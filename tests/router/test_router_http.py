@@ -111,7 +111,7 @@ def test_no_live_server_is_503(router_env):
 
 
 def test_server_that_comes_back_is_used_again(router_env, free_port):
-    from loraplex_router.echo_server import EchoServer
+    from loraplex_bench.echo_server import EchoServer
 
     port = free_port()
     late = ThreadedServer(EchoServer("late"), port).start()

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from loraplex.engine.clock import ManualClock
 from loraplex.routing import InMemoryRoutingStore, RoutingStore
+from loraplex.util.clock import ManualClock
 
 
 @dataclass

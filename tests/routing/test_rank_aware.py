@@ -14,8 +14,9 @@ import pytest
 from loraplex_agent.cluster.engine_view import engine_batch
 from loraplex_router.snapshot import Snapshot
 
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.sampling import SamplingParams
+from loraplex.latency.features import FEATURES
 from loraplex.routing import RecordError, ServerRecord
 from loraplex.routing.pipeline import PROFILES, Candidate, RouteRequest, make_profile
 from loraplex.routing.rank_aware import (
@@ -29,7 +30,6 @@ from loraplex.routing.rank_aware import (
     parse_options,
 )
 from loraplex.routing.records import RankLoad, ServerBatch
-from loraplex.sim.features import FEATURES
 from loraplex.spec.adapter import AdapterId
 
 MS = 1e-3

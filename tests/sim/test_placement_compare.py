@@ -8,10 +8,10 @@ import json
 
 import numpy as np
 import pytest
+from loraplex_bench.placement_compare import Probe, bisect_rate, make_contenders
 
 from loraplex.cli import main
 from loraplex.sim.lengths import Lengths
-from loraplex.sim.placement_compare import Probe, bisect_rate, make_contenders
 from loraplex.sim.rank_skew import RankSkew, SkewedWorkload, rank_mix
 
 FIXED = Lengths(profile="fixed", prompt_len=32, output_len=8)

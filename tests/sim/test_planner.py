@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from loraplex.cli import main
+from loraplex.latency.profile import Memory, Profile
 from loraplex.sim.metrics import RequestResult, Slo
 from loraplex.sim.planner import AdapterDemand, PlanError, TwinOracle, WorkloadSummary, plan
 from loraplex.sim.planner.compare import check_plan, split_by_gpu
 from loraplex.sim.planner.floor import server_floor
 from loraplex.sim.planner.greedy import priority_sort
 from loraplex.sim.planner.oracle import GpuLoad, attainment_by, gpu_trace
-from loraplex.sim.profile import Memory, Profile
 from loraplex.sim.trace import Trace, write_trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
 

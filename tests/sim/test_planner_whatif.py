@@ -8,9 +8,9 @@ import json
 import pytest
 
 from loraplex.cli import main
+from loraplex.latency.profile import load_profile
 from loraplex.sim.planner import AdapterDemand, GpuLoad, WorkloadSummary, plan
 from loraplex.sim.planner.compare import slot_choices
-from loraplex.sim.profile import load_profile
 from loraplex.sim.whatif import (
     ADAPTER_PERCENT,
     DECODE_MS,

@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from loraplex_bench.routing_compare import no_lora_step_s, with_rank_term
 
 from loraplex.cli import main
+from loraplex.latency.profile import load_profile
 from loraplex.placement.operating_points import DEFAULT_GPU
 from loraplex.routing.rank_aware import LatencyModel, RankAwareConfig
 from loraplex.sim.cluster import ClusterConfig, _Cluster, simulate_cluster
 from loraplex.sim.lengths import Lengths
-from loraplex.sim.profile import load_profile
 from loraplex.sim.rank_skew import RankSkew, SkewedWorkload
-from loraplex.sim.routing_compare import no_lora_step_s, with_rank_term
 
 FIXED = Lengths(profile="fixed", prompt_len=256, output_len=128)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine.config import EngineConfig
+from loraplex.latency.features import StepFeatures
+from loraplex.latency.profile import Memory, Profile, load_profile
 from loraplex.sim.capacity import saturation_rps
-from loraplex.sim.features import StepFeatures
 from loraplex.sim.fit import fit_latency
 from loraplex.sim.metrics import RequestResult, Slo, summarize, tokens_by
-from loraplex.sim.profile import Memory, Profile, load_profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
@@ -40,12 +40,12 @@ def test_a_lone_request_is_timed_by_the_profile():
 
 
 def test_the_executor_applies_every_term_of_the_profile():
-    from loraplex.engine.clock import ManualClock
     from loraplex.engine.messages import AdapterLoad, ScheduledChunk, SchedulerOutput
-    from loraplex.engine.sampling import SamplingParams
+    from loraplex.engine.output.sampling import SamplingParams
+    from loraplex.latency.features import FEATURES
     from loraplex.sim.executor import SimExecutor
-    from loraplex.sim.features import FEATURES
     from loraplex.spec.adapter import AdapterId
+    from loraplex.util.clock import ManualClock
 
     profile = make_profile(**{name: (i + 1) * 1e-4 for i, name in enumerate(FEATURES)})
     clock = ManualClock()

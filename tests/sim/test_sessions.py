@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from loraplex.sim.profile import load_profile
+from loraplex.latency.profile import load_profile
 from loraplex.sim.replay import register_adapters
 from loraplex.sim.server import make_sim_engine
 from loraplex.sim.sessions import (

@@ -8,13 +8,13 @@ import json
 
 import pytest
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.messages import AdapterLoad, KVCopy, KVSwapIn, ScheduledChunk, SchedulerOutput
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
+from loraplex.latency.profile import PROFILES_DIR, Memory, Profile, load_profile
 from loraplex.sim.executor import SimExecutor
-from loraplex.sim.profile import PROFILES_DIR, Memory, Profile, load_profile
 from loraplex.sim.whatif import NAME as WHATIF
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.util.clock import ManualClock
 
 ENGINE = dict(max_model_len=2048, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
               max_loras=4, max_lora_rank=64, scheduler="fifo", residency="lru")

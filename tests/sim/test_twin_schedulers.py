@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.sim.profile import Memory, Profile
+from loraplex.latency.profile import Memory, Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, TraceRequest
 

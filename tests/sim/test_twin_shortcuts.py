@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import gc
 
+from loraplex.latency.profile import load_profile
 from loraplex.placement.operating_points import DEFAULT_CPU
 from loraplex.routing.pipeline import PhiScorer, make_profile
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 from loraplex.sim.gc_pause import cyclic_gc_paused
-from loraplex.sim.profile import load_profile
 from loraplex.sim.replay import replay_sampling
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
 

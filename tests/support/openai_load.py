@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import openai
-from loraplex_router.closed_loop import ClosedLoop
+from loraplex_bench.closed_loop import ClosedLoop
 
 HELLO = [{"role": "user", "content": "hello"}]
 

@@ -17,8 +17,8 @@ from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector
 from loraplex_operator.kube import KubeError, ObjectRef
 
-from loraplex.engine.clock import ManualClock
 from loraplex.routing import InMemoryRoutingStore, ServerRecord
+from loraplex.util.clock import ManualClock
 
 NS = "serving"
 T0 = 1_700_000_000.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from loraplex.engine.sampling import SamplingParams
+from loraplex.engine.output.sampling import SamplingParams
 
 MIX = ["lora00-r8", "lora01-r16", "lora03-r64", None, "lora04-r8", "lora03-r64"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

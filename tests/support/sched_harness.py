@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from toy_executor import ToyExecutor
 
-from loraplex.engine.clock import ManualClock
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.sampling import SamplingParams
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.util.clock import ManualClock
 
 SCHEDULER_NAMES = ["fifo", "sjf", "vtc", "chameleon"]
 RANKS = {"a": 8, "b": 8, "c": 16, "d": 32, "e": 64}

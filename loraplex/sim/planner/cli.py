@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from loraplex.cli import CommandError
+from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.metrics import Slo
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.planner.compare import baseline_json, check_plan, compare_baselines, slot_choices
@@ -21,8 +21,8 @@ from loraplex.sim.planner.greedy import PlanError, plan
 from loraplex.sim.planner.oracle import Oracle, TwinOracle
 from loraplex.sim.planner.surrogate import distill, train_surrogate, twin_dataset
 from loraplex.sim.planner.workload import WorkloadSummary
-from loraplex.sim.profile import Profile, load_profile
 from loraplex.sim.trace import read_trace
+from loraplex.spec.errors import CommandError
 
 MIN_SURROGATE_SAMPLES = 10
 

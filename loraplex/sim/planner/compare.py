@@ -17,12 +17,12 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from loraplex.latency.profile import Profile
 from loraplex.placement import OperatingPoints
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 from loraplex.sim.metrics import RequestResult, Slo, summarize, trace_duration
 from loraplex.sim.planner.greedy import Plan
 from loraplex.sim.planner.oracle import fits_memory
-from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, TraceRequest
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
+from loraplex.latency.profile import Profile
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner.oracle import GpuLoad, TwinOracle
 from loraplex.sim.planner.workload import AdapterDemand, WorkloadSummary
-from loraplex.sim.profile import Profile
 
 PRECISION = 0.02  # relative width of the bracket around one server's highest sustainable rate
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
+from loraplex.latency.profile import Profile
 from loraplex.sim.planner.oracle import GpuLoad, Oracle, TwinOracle, fits_memory
 from loraplex.sim.planner.workload import AdapterDemand, WorkloadSummary
-from loraplex.sim.profile import Profile
 
 TESTING_POINTS = (8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576)
 # adapters that do not fit a GPU on their own, passed over before the GPU closes (each costs a few

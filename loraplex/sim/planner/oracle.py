@@ -12,9 +12,9 @@ from typing import Protocol
 
 import numpy as np
 
+from loraplex.latency.profile import Profile
 from loraplex.sim.metrics import RequestResult, Slo
 from loraplex.sim.planner.workload import AdapterDemand, WorkloadSummary
-from loraplex.sim.profile import Profile
 from loraplex.sim.server import simulate_server
 from loraplex.sim.trace import Trace, requests_from
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from loraplex.latency.profile import Profile
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner.greedy import TESTING_POINTS
 from loraplex.sim.planner.oracle import GpuLoad, TwinOracle
 from loraplex.sim.planner.workload import AdapterDemand
-from loraplex.sim.profile import Profile
 
 RATES = (3.2, 1.6, 0.8, 0.4, 0.1, 0.05, 0.025, 0.0125)  # req/s, the paper's set (shortened)
 RANKS = (8, 16, 32, 64)

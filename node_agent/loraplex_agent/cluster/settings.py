@@ -8,9 +8,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.cli import CommandError
 from loraplex.routing.keys import validate_pool_name
 from loraplex.routing.records import RecordError, validate_server_id
+from loraplex.spec.errors import CommandError
 from loraplex_agent.cluster.limits import DEFAULT_SCHEMES
 from loraplex_agent.cluster.sources import SourcePolicy
 

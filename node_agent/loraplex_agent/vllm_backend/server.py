@@ -42,11 +42,10 @@ from pydantic import BaseModel
 
 from loraplex.backends.loraplex_vllm import LOOPBACK
 from loraplex.backends.vllm import VllmLaunch
-from loraplex.cli import CommandError
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
 from loraplex.spec.crd import VLLM_LORA_RANKS
-from loraplex.spec.errors import LoraplexError, OverloadedError, PermissionDeniedError
+from loraplex.spec.errors import CommandError, LoraplexError, OverloadedError, PermissionDeniedError
 from loraplex.startup import listen_socket, open_store
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.member import ClusterMember

@@ -1,0 +1,1 @@
+"""Benchmarks and load drivers: `loraplex bench ...` (see cli.py). Nothing in the project imports this."""

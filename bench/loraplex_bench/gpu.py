@@ -1,0 +1,370 @@
+"""`loraplex bench gpu`: the engine's decode speed and kernels on the device (issue 12's measurements).
+
+One run measures, on a Llama-2-7B-shaped model with random weights (`--shape llama2-7b`, bf16 on
+CUDA) and random adapters of ranks 8-128 wrapping all seven target modules:
+
+1. decode tokens/s at batch 1, 16 and 64 with 0, 1 and 32 distinct adapters, and the fraction of
+   the memory-bandwidth bound: bytes read per step (weights + the batch's KV + the distinct
+   adapters' rows) over the device's measured copy bandwidth, divided by the measured step time;
+2. mixed ranks: the LoRA cost of a batch of rank-8 and rank-128 requests against the sum of the
+   LoRA costs of its two homogeneous halves (LoRA cost = step time minus a base-only step's);
+3. our paged attention against torch SDPA over dense K/V of the same shapes (decode and prefill);
+4. decode with CUDA graphs on and off;
+5. greedy tokens of the same requests on this device and on the CPU, both in float32.
+
+On a CPU (`--shape tiny`, what the tests run) every part runs except CUDA graphs (reported as
+not applicable); the numbers then say nothing about a GPU. Weights and adapters are generated in
+memory from a seed; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from loraplex_agent.adapters import AdapterStore
+from loraplex_agent.device import adapter_bytes_per_rank, kv_token_bytes, resolve_device, weight_bytes
+from loraplex_agent.executor import TorchExecutor
+from loraplex_agent.host_adapter import HostAdapter
+from loraplex_agent.model_config import LORA_MODULES, ModelConfig
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.output.sampling import SamplingParams
+from loraplex.engine.request import Request
+from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.spec.errors import CommandError
+from loraplex_bench.output import write_bench_json
+
+SHAPES: dict[str, dict] = {
+    "llama2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512},
+}
+RANKS = (8, 16, 32, 64, 128)
+BATCHES = (1, 16, 64)
+ADAPTER_COUNTS = (0, 1, 32)
+
+
+@dataclass
+class DecodeResult:
+    batch: int
+    adapters: int
+    cuda_graphs: bool
+    step_s: float
+    tokens_per_s: float
+    bytes_per_step: int
+    bandwidth_fraction: float  # (bytes_per_step / measured bandwidth) / step_s
+
+
+@dataclass
+class MixedRanks:
+    batch: int
+    base_step_s: float
+    rank8_step_s: float
+    rank128_step_s: float
+    mixed_step_s: float
+    lora_cost_ratio: float  # mixed LoRA cost / (rank-8 LoRA cost + rank-128 LoRA cost); goal <= 1.10
+
+
+@dataclass
+class AttentionTiming:
+    phase: str  # decode or prefill
+    batch: int
+    context: int
+    ours_s: float
+    sdpa_s: float
+
+
+class Bench:
+    """One engine (executor + core) over a random model, with random adapters registered by rank."""
+
+    def __init__(self, config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, num_blocks: int, cuda_graphs: bool, seed: int = 0) -> None:
+        self.model_config = config
+        self.engine_config = EngineConfig(
+            max_model_len=max_model_len, block_size=16, num_blocks=num_blocks, max_num_seqs=max(BATCHES),
+            max_num_batched_tokens=max(2048, max_model_len), max_lora_rank=max(RANKS),
+            num_host_blocks=0)
+        self.store = AdapterStore()
+        self.executor = TorchExecutor(config, self.engine_config, device, dtype, self.store.get,
+                                      model_dir=model_dir, seed=seed, cuda_graphs=cuda_graphs)
+        self.core = EngineCore(self.engine_config, self.executor,
+                               adapter_pages=lambda info: self.executor.adapter_pages(self.store.get(info.id)))
+        self.adapters: list[AdapterId] = []
+        self._generator = torch.Generator().manual_seed(seed)
+        self._requests = 0
+
+    def add_adapters(self, ranks: Sequence[int]) -> list[AdapterId]:
+        ids = []
+        for rank in ranks:
+            host = random_adapter(self.model_config, f"a{len(self.adapters)}-r{rank}", rank, self._generator)
+            self.store.add(host)
+            self.core.add_adapter(host.info)
+            self.adapters.append(host.id)
+            ids.append(host.id)
+        return ids
+
+    def step_time(self, adapters: Sequence[AdapterId | None], prompt_len: int, steps: int) -> float:
+        """Mean seconds of a decode step of len(adapters) requests (one per entry), once every
+        request has finished its prefill and every adapter is on the device."""
+        prefill_steps = -(-len(adapters) * prompt_len // self.engine_config.max_num_batched_tokens)
+        requests = [self._request(adapter, prompt_len, steps + prefill_steps + 8) for adapter in adapters]
+        for request in requests:
+            self.core.add_request(request)
+        while any(not r.output_token_ids for r in requests):  # each has prefilled: its adapter is on the device
+            self.core.step()
+        begin = time.perf_counter()
+        for _ in range(steps):
+            self.core.step()
+        elapsed = (time.perf_counter() - begin) / steps
+        while self.core.has_unfinished():
+            self.core.step()
+        return elapsed
+
+    def greedy(self, adapters: Sequence[AdapterId | None], prompts: Sequence[list[int]], tokens: int) -> list[list[int]]:
+        requests = [Request(f"g{i}", list(p), SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+                            adapter=a) for i, (a, p) in enumerate(zip(adapters, prompts, strict=True))]
+        for request in requests:
+            self.core.add_request(request)
+        while self.core.has_unfinished():
+            self.core.step()
+        return [r.output_token_ids for r in requests]
+
+    def _request(self, adapter: AdapterId | None, prompt_len: int, max_tokens: int) -> Request:
+        self._requests += 1
+        prompt = torch.randint(1, self.model_config.vocab_size, (prompt_len,), generator=self._generator).tolist()
+        return Request(f"r{self._requests}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       adapter=adapter)
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def model_config(shape: str) -> ModelConfig:
+    raw = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "max_position_embeddings": 4096, "torch_dtype": "bfloat16", **SHAPES[shape]}
+    return ModelConfig.from_dict(raw, name=f"random-{shape}")
+
+
+def write_random_model(config: ModelConfig, raw_shape: dict, folder: Path, seed: int) -> Path:
+    """A Hugging Face folder (config.json + model.safetensors) with random bf16 weights."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
+        "torch_dtype": "bfloat16", **raw_shape}))
+    generator = torch.Generator().manual_seed(seed)
+    save_file(random_state(config, generator), str(folder / "model.safetensors"))
+    return folder
+
+
+def random_state(config: ModelConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    h, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    state = {"model.embed_tokens.weight": normal(config.vocab_size, h), "model.norm.weight": torch.ones(h),
+             "lm_head.weight": normal(config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                  "mlp.down_proj": (h, inter)}
+        state.update({f"{p}{name}.weight": normal(*shape) for name, shape in shapes.items()})
+        state[p + "input_layernorm.weight"] = torch.ones(h)
+        state[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    return {name: t.to(torch.bfloat16).contiguous() for name, t in state.items()}
+
+
+def random_adapter(config: ModelConfig, name: str, rank: int, generator: torch.Generator) -> HostAdapter:
+    """All seven target modules of every layer, bf16 on the host (the pool converts on copy)."""
+    weights = {}
+    for layer in range(config.num_hidden_layers):
+        for module in LORA_MODULES:
+            in_features, out_features = config.module_shape(module)
+            a = (torch.randn(rank, in_features, generator=generator) * in_features ** -0.5).to(torch.bfloat16)
+            b = (torch.randn(out_features, rank, generator=generator) * 0.01).to(torch.bfloat16)
+            weights[(layer, module)] = (a, b)
+    size = sum(a.numel() + b.numel() for a, b in weights.values()) * 2
+    info = AdapterInfo(AdapterId(name, f"random-{name}"), rank, size, tuple(LORA_MODULES))
+    return HostAdapter(info, scaling=1.0, weights=weights)
+
+
+def device_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    begin = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * 5 / (time.perf_counter() - begin)
+
+
+def bytes_per_decode_step(config: ModelConfig, dtype: torch.dtype, batch: int, context: int,
+                          ranks: Sequence[int]) -> int:
+    """Weights, the batch's KV, and every distinct adapter's rows, each read once per step."""
+    return (weight_bytes(config, dtype) + batch * context * kv_token_bytes(config, dtype)
+            + sum(ranks) * adapter_bytes_per_rank(config, dtype))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - begin) / repeats
+
+
+def decode_sweep(bench: Bench, dtype: torch.dtype, bandwidth: float, prompt_len: int, steps: int,
+                 batches: Sequence[int], counts: Sequence[int], cuda_graphs: bool) -> list[DecodeResult]:
+    results = []
+    pool = bench.add_adapters([RANKS[i % len(RANKS)] for i in range(max(counts))])
+    for count in counts:
+        for batch in batches:
+            used = [pool[i % count] if count else None for i in range(batch)]
+            step_s = bench.step_time(used, prompt_len, steps)
+            ranks = [bench.store.get(a).rank for a in set(used) if a is not None]
+            nbytes = bytes_per_decode_step(bench.model_config, dtype, batch, prompt_len + steps, ranks)
+            results.append(DecodeResult(batch, len(ranks), cuda_graphs, step_s, batch / step_s, nbytes,
+                                        nbytes / bandwidth / step_s))
+            print(f"decode batch {batch:>3} adapters {len(ranks):>2} graphs {cuda_graphs!s:>5}: "
+                  f"{step_s * 1e3:8.2f} ms/step {batch / step_s:9.1f} tok/s "
+                  f"{100 * results[-1].bandwidth_fraction:5.1f}% of the bandwidth bound")
+    return results
+
+
+def mixed_ranks(bench: Bench, prompt_len: int, steps: int, half: int) -> MixedRanks:
+    """`half` rank-8 requests next to `half` rank-128 ones (4 adapters of each rank)."""
+    low, high = bench.add_adapters([8] * 4), bench.add_adapters([128] * 4)
+    lows = [low[i % 4] for i in range(half)]
+    highs = [high[i % 4] for i in range(half)]
+    base_half = bench.step_time([None] * half, prompt_len, steps)
+    base_full = bench.step_time([None] * 2 * half, prompt_len, steps)
+    rank8 = bench.step_time(lows, prompt_len, steps)
+    rank128 = bench.step_time(highs, prompt_len, steps)
+    mixed = bench.step_time(lows + highs, prompt_len, steps)
+    ratio = (mixed - base_full) / max((rank8 - base_half) + (rank128 - base_half), 1e-12)
+    print(f"mixed ranks, {half}+{half} requests: LoRA cost of the mixed batch / sum of the homogeneous "
+          f"halves' = {ratio:.3f} (goal <= 1.10)")
+    return MixedRanks(2 * half, base_full, rank8, rank128, mixed, ratio)
+
+
+def attention_timings(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                      cases: Sequence[tuple[str, int, int]], repeats: int) -> list[AttentionTiming]:
+    """Our paged attention (the backend the engine uses on this device) against torch SDPA over
+    dense K/V of the same shapes: (phase, batch, context) per case."""
+    results = []
+    for phase, batch, context in cases:
+        ours, sdpa = _time_attention(config, device, dtype, phase, batch, context, repeats)
+        results.append(AttentionTiming(phase, batch, context, ours, sdpa))
+        print(f"attention {phase:<7} batch {batch:>3} context {context:>5}: ours {ours * 1e6:9.1f} us, "
+              f"SDPA {sdpa * 1e6:9.1f} us ({ours / sdpa:.2f}x)")
+    return results
+
+
+def _time_attention(config: ModelConfig, device: torch.device, dtype: torch.dtype, phase: str, batch: int,
+                    context: int, repeats: int) -> tuple[float, float]:
+    from loraplex_kernels.attention import build_attention_batch, paged_attention
+
+    heads, kv_heads, dim, block = config.num_attention_heads, config.num_key_value_heads, config.head_dim, 16
+    blocks_per_seq = -(-context // block)
+    k_cache = torch.randn(batch * blocks_per_seq + 1, block, kv_heads, dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = [list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq)) for b in range(batch)]
+    if phase == "decode":
+        queries = 1
+        slots = [t[(context - 1) // block] * block + (context - 1) % block for t in tables]
+        meta = build_attention_batch(slots, tables, [context] * batch, [], block, device)
+    else:
+        queries = context
+        slots = [t[p // block] * block + p % block for t in tables for p in range(context)]
+        meta = build_attention_batch(slots, [], [], [(context, 0, t) for t in tables], block, device)
+    q = torch.randn(batch * queries, heads, dim, device=device, dtype=dtype)
+    new_kv = torch.randn(batch * queries, kv_heads, dim, device=device, dtype=dtype)
+    q_dense = torch.randn(batch, heads, queries, dim, device=device, dtype=dtype)
+    k_dense = torch.randn(batch, kv_heads, context, dim, device=device, dtype=dtype)
+    v_dense = torch.randn_like(k_dense)
+    ours = timed(lambda: paged_attention(q, new_kv, new_kv, k_cache, v_cache, meta, dim ** -0.5), device, repeats)
+    sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q_dense, k_dense, v_dense, is_causal=phase == "prefill", enable_gqa=True), device, repeats)
+    return ours, sdpa
+
+
+def greedy_tokens_match(device: torch.device, seed: int, workdir: Path) -> dict:
+    """The same greedy requests (tiny model, float32, adapters of every rank) on `device` and on the CPU."""
+    config = model_config("tiny")
+    model_dir = write_random_model(config, SHAPES["tiny"], workdir / "greedy", seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(1, config.vocab_size, (12 + 5 * i,), generator=generator).tolist() for i in range(6)]
+    outputs = {}
+    for where in (device, torch.device("cpu")):
+        bench = Bench(config, model_dir, where, torch.float32, max_model_len=256, num_blocks=512,
+                      cuda_graphs=where.type == "cuda", seed=seed)
+        adapters: list[AdapterId | None] = [None, *bench.add_adapters(RANKS)]
+        outputs[where.type] = bench.greedy(adapters, prompts, tokens=24)
+        bench.close()
+    same = outputs[device.type] == outputs["cpu"]
+    print(f"greedy tokens, float32, {device.type} vs cpu: {'identical' if same else 'DIFFERENT'}")
+    return {"device": device.type, "identical": same, "requests": len(prompts)}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    cuda = device.type == "cuda"
+    shape = args.shape or ("llama2-7b" if cuda else "tiny")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = model_config(shape)
+    prompt_len, steps = (512, 32) if shape != "tiny" else (24, 4)
+    batches = BATCHES if not args.quick else (1, 4)
+    counts = ADAPTER_COUNTS if not args.quick else (0, 1, 4)
+    num_blocks = args.num_blocks or (4096 if shape != "tiny" else 1024)
+    results: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "shape": shape,
+                     "dtype": str(dtype), "prompt_len": prompt_len, "timed_steps": steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_model(config, SHAPES[shape], Path(tmp) / "model", args.seed)
+        bandwidth = device_bandwidth(device, (1 << 30) if cuda else (1 << 26))
+        results["bandwidth_gbps"] = bandwidth / 1e9
+        print(f"{results['device']}: measured copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+        decode: list[DecodeResult] = []
+        for graphs in ((True, False) if cuda else (False,)):
+            bench = Bench(config, model_dir, device, dtype, prompt_len + 256, num_blocks, graphs, args.seed)
+            decode += decode_sweep(bench, dtype, bandwidth, prompt_len, steps, batches, counts, graphs)
+            if graphs or not cuda:
+                results["mixed_ranks"] = asdict(mixed_ranks(bench, prompt_len, steps, half=max(batches) // 4))
+            bench.close()
+            del bench
+            if cuda:
+                torch.cuda.empty_cache()
+        results["decode"] = [asdict(d) for d in decode]
+        cases = [("decode", b, 4 * prompt_len) for b in batches] + [("prefill", 1, 4 * prompt_len)]
+        results["attention"] = [asdict(t) for t in attention_timings(config, device, dtype, cases,
+                                                                     repeats=20 if cuda else 2)]
+        results["greedy"] = greedy_tokens_match(device, args.seed, Path(tmp))
+    if args.out:
+        write_bench_json(Path(args.out), "bench gpu", args, results)
+    return 0 if results["greedy"]["identical"] else 1

@@ -1,0 +1,714 @@
+"""`loraplex bench schedulers`: `chameleon` vs `fifo` vs `sjf` vs `vtc` on one trace, at loads relative
+to FIFO's saturation point, in the twin and on the real engine (issue 11).
+
+Workload (`TraceSpec`), the same requests for every scheduler and load:
+- Poisson arrivals (`arrivals.arrival_times`) drawn once at 1 request/s and compressed to each rate,
+  so loads differ only in time: request ids, adapters and lengths are the same everywhere;
+- (prompt, output) rows resampled from the Azure 2023 conversation trace (`lengths.sample_lengths`,
+  profile `azure23_conv`; the CSV shipped in the package unless `--traces-dir`), multiplied by `--length-scale` and shaved to fit the model's context;
+- 100 adapters, equal counts per rank of {8, 16, 32, 64, 128} (`workload.adapter_ranks`); a request
+  picks its rank uniformly, then an adapter of that rank by Zipf popularity (`popularity.weights`,
+  exponent `--zipf`): Chameleon's "uniform rank, power-law within a rank". `WorkloadSpec` cannot say
+  this (its popularity is one vector over all adapters), so the adapter draw is done here.
+
+Clients send realistic `max_tokens` (`--max-tokens`, default the context left) and a request stops at
+its trace length on an injected stop token (`StopAtLength`): were `max_tokens` the true length, the
+output-length predictor of `sjf` and `chameleon` would be clamped to the truth (docs/engine.md).
+
+Per memory policy and side: FIFO's unloaded mean TTFT (the first requests, one at a time), the SLO
+on P99 TTFT (`--slo-factor` x that mean; `--slo-basis e2e` takes the unloaded mean E2E instead, the
+paper's "5x the average execution time at low load"), FIFO's saturation rate (twin:
+`capacity.saturation_rps`, the highest rate whose window throughput keeps 90% of the offered; engine:
+requests per second of a burst run), then every scheduler at each `--loads` fraction of it. Per run:
+P50/P99 TTFT, P50 TBT (per-request mean time between tokens), throughput (prompt + output tokens/s),
+goodput (tokens of requests meeting the TTFT SLO per second), fairness (Jain's index over adapters of
+their mean TTFT, and the worst over the best), ratios to FIFO at the same load. Throughput at the SLO
+is the paper's: the highest rate whose P99 TTFT meets the SLO (twin: bisection; engine: the best
+load run).
+
+This module is the twin side, the arguments, the tables and the JSON; the real engine side is
+`loraplex_bench.scheduler_engine` (torch), imported when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.executor import Executor
+from loraplex.engine.memory.paged_memory import no_adapter_pages
+from loraplex.engine.memory.policies import MEMORY_POLICIES, make_memory
+from loraplex.engine.messages import ExecutorResult, RequestOutput, SchedulerOutput
+from loraplex.engine.output.sampling import SamplingParams
+from loraplex.engine.request import Request, SampledToken
+from loraplex.engine.scheduling.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
+from loraplex.latency.profile import Profile, load_profile
+from loraplex.sim.arrivals import Arrivals, arrival_times
+from loraplex.sim.capacity import saturation_rps
+from loraplex.sim.gc_pause import cyclic_gc_paused
+from loraplex.sim.lengths import Lengths, sample_lengths
+from loraplex.sim.metrics import RequestResult, Slo, offered_tokens, result_of, summarize, trace_duration
+from loraplex.sim.popularity import Popularity, weights
+from loraplex.sim.replay import (
+    Prompt,
+    ReplayLog,
+    WaitUntil,
+    check_fits,
+    register_adapters,
+    replay,
+    replay_sampling,
+)
+from loraplex.sim.server import make_sim_engine, sim_prompt
+from loraplex.sim.trace import Trace, TraceRequest, requests_from
+from loraplex.sim.workload import Adapters, adapter_ranks
+from loraplex.spec.adapter import AdapterId
+from loraplex.spec.errors import CommandError
+from loraplex.util.clock import ManualClock
+from loraplex_bench.memory_compare import add_memory_args
+from loraplex_bench.output import write_bench_json
+
+BASELINE = "fifo"
+DEFAULT_SCHEDULERS = ("chameleon", "fifo", "sjf", "vtc")
+GOAL = {"p99_ttft_change": -0.85, "slo_throughput_ratio": 2.0}  # ours, with the adapter cache (issue 11)
+PAPER = {"p99_ttft_change": -0.807, "slo_throughput_ratio": 1.5}  # Chameleon vs S-LoRA, no adapter cache
+TWIN_STOP_ID = 1  # the twin samples token 0 every step, so any other id is a stop token it never makes
+FAIRNESS_MIN_REQUESTS = 2  # adapters with fewer finished requests say nothing about their latency
+KNEE_MIN_LOAD, KNEE_MAX_LOAD, KNEE_TOL = 0.05, 4.0, 0.03  # bisection range and tolerance, x saturation
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    requests: int = 2000  # expected arrivals (the unit-rate window in seconds)
+    adapters: int = 100
+    ranks: tuple[int, ...] = (8, 16, 32, 64, 128)
+    zipf_s: float = 1.0
+    lengths: str = "azure23_conv"
+    length_scale: float = 1.0
+    max_model_len: int = 4096
+    seed: int = 0
+
+
+@dataclass
+class RunResult:
+    """One scheduler at one load."""
+
+    scheduler: str
+    load: float  # fraction of FIFO's saturation rate
+    rps: float
+    requests: int
+    finished: int
+    digest: str  # of (id, adapter, prompt tokens, generated tokens) of every request as it ran
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tbt_p50_s: float | None
+    throughput_tokens_per_s: float
+    goodput_tokens_per_s: float  # tokens of requests whose TTFT met the SLO
+    slo_attainment: float
+    fairness_jain: float | None  # over adapters' mean TTFT; 1 is perfectly even, 1/n one adapter takes all
+    fairness_max_min: float | None  # the worst adapter's mean TTFT over the best's
+    preemptions: int = 0
+    squashes: int = 0
+    bypasses: int = 0
+    predictor_rel_error: float | None = None
+    p99_ttft_vs_fifo: float | None = None
+    goodput_vs_fifo: float | None = None
+
+
+@dataclass
+class SloThroughput:
+    """The highest rate whose P99 TTFT meets the SLO (Chameleon's throughput)."""
+
+    scheduler: str
+    method: str  # "search" (bisection) or "grid" (the highest of the loads run)
+    load: float | None  # fraction of FIFO's saturation; None: not met even at the lowest load tried
+    rps: float | None
+    vs_fifo: float | None = None
+    capped: bool = False  # met at the highest load tried (the grid's, or KNEE_MAX_LOAD): at least this
+    probes: list[tuple[float, float | None]] = field(default_factory=list)  # (load, P99 TTFT s)
+
+
+@dataclass
+class Block:
+    """One side under one memory policy."""
+
+    side: str  # "twin" or "engine"
+    memory_policy: str
+    settings: dict[str, Any]
+    baseline_policy: str = ""  # the memory policy FIFO runs on (the block's own unless --baseline-policy)
+    saturation_rps: float = 0.0
+    saturation_method: str = ""
+    slo_basis: str = "ttft"  # what the SLO multiplies: FIFO's unloaded mean TTFT, or E2E
+    unloaded_mean_s: float = 0.0
+    slo_ttft_s: float = 0.0
+    runs: list[RunResult] = field(default_factory=list)
+    slo_throughput: list[SloThroughput] = field(default_factory=list)
+
+
+RunAt = Callable[[str, float], RunResult]  # (scheduler, rps) -> its run, load not yet set
+
+
+# ---- the workload -----------------------------------------------------------------------------
+
+def unit_trace(spec: TraceSpec, traces_dir: str | None = None) -> Trace:
+    """The benchmark's requests at 1 request/s; `at_rate` compresses it to any rate."""
+    rng = [np.random.default_rng([spec.seed, part]) for part in range(3)]
+    times = arrival_times(Arrivals(process="poisson"), 1.0, float(spec.requests), rng[0])
+    lengths = Lengths(profile=spec.lengths, scale=spec.length_scale, max_model_len=spec.max_model_len)
+    try:
+        prompt, output = sample_lengths(lengths, len(times), rng[1], traces_dir)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc)) from None
+    names, ranks = adapter_names_ranks(spec)
+    chosen = choose_adapters(ranks, spec.ranks, spec.zipf_s, len(times), rng[2])
+    rows = ((float(t), names[a], int(ranks[a]), int(p), int(o))
+            for t, a, p, o in zip(times, chosen, prompt, output, strict=True))
+    return Trace(requests_from(rows), {"duration_s": float(spec.requests), "rps": 1.0, **asdict(spec)})
+
+
+def adapter_names_ranks(spec: TraceSpec) -> tuple[list[str], np.ndarray]:
+    adapters = Adapters(count=spec.adapters, ranks=list(spec.ranks))
+    return adapters.names(), adapter_ranks(adapters, spec.seed)
+
+
+def choose_adapters(ranks: np.ndarray, rank_set: Iterable[int], zipf_s: float, count: int,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Each request's adapter index: a rank uniformly (of those some adapter has), then Zipf within it."""
+    groups = [np.flatnonzero(ranks == r) for r in rank_set]
+    groups = [g for g in groups if len(g)]
+    which = rng.integers(0, len(groups), count)
+    chosen = np.empty(count, dtype=np.int64)
+    for i, members in enumerate(groups):
+        picks = np.flatnonzero(which == i)
+        share = weights(Popularity(mode="zipf", zipf_s=zipf_s), len(members))
+        chosen[picks] = members[rng.choice(len(members), size=len(picks), p=share)]
+    return chosen
+
+
+def at_rate(trace: Trace, rps: float) -> Trace:
+    """The same requests arriving `rps` times faster than the unit trace."""
+    requests = [replace(r, arrival_s=round(r.arrival_s / rps, 6)) for r in trace.requests]
+    return Trace(requests, dict(trace.workload, rps=rps, duration_s=trace_duration(trace) / rps))
+
+
+# ---- clients: realistic max_tokens, stop at the trace's length ----------------------------------------
+
+class StopAtLength:
+    """An executor that samples a stop token as a request's `target`-th output token."""
+
+    def __init__(self, inner: Executor, stop_id: int) -> None:
+        self.inner = inner
+        self.stop = SampledToken(stop_id)
+        self.targets: dict[str, int] = {}
+
+    def execute(self, output: SchedulerOutput) -> ExecutorResult:
+        result = self.inner.execute(output)
+        targets, sampled = self.targets, result.sampled
+        for chunk in output.chunks:
+            if chunk.sample and chunk.num_output_tokens + 1 >= targets.get(chunk.request_id, sys.maxsize):
+                sampled[chunk.request_id] = self.stop
+        return result
+
+
+class ClientCore:
+    """What `replay` drives: the engine, with each request sent as its client sends it. `replay` builds a
+    request with max_tokens = its trace length; that becomes its stop target and max_tokens the cap."""
+
+    def __init__(self, core: EngineCore, max_tokens: str, stop_id: int) -> None:
+        self.core = core
+        self.clock = core.clock
+        self.max_tokens = max_tokens
+        self.stop_id = stop_id
+        self.stops = StopAtLength(core.executor, stop_id)
+        core.executor = self.stops
+
+    def add_request(self, request: Request) -> None:
+        target = request.sampling.max_tokens
+        self.stops.targets[request.request_id] = target
+        left = self.core.config.max_model_len - request.num_prompt_tokens
+        request.sampling = client_sampling(client_cap(self.max_tokens, target, left), self.stop_id)
+        self.core.add_request(request)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        return self.core.step()
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+
+def client_cap(mode: str, target: int, context_left: int) -> int:
+    """max_tokens as the client sends it: the true length ("exact"), the context left ("context", what
+    an OpenAI server assumes when none is given), or a fixed number within the context."""
+    if mode == "exact":
+        return target
+    return context_left if mode == "context" else min(int(mode), context_left)
+
+
+@lru_cache(maxsize=8192)
+def client_sampling(max_tokens: int, stop_id: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, stop_token_ids=(stop_id,))
+
+
+def drive(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Prompt, wait_until: WaitUntil,
+          max_tokens: str, stop_id: int) -> ReplayLog:
+    """`trace` through `core` to the end, every request sent as `max_tokens` says."""
+    client = ClientCore(core, max_tokens, stop_id)
+    return replay(cast(EngineCore, client), trace, ids, prompt, wait_until)  # replay uses only what ClientCore has
+
+
+def set_slo(block: Block, core: EngineCore, requests: list[TraceRequest], ids: dict[str, AdapterId], prompt: Prompt,
+            args: argparse.Namespace) -> None:
+    """The TTFT SLO: `--slo-factor` x FIFO's unloaded mean TTFT (issue 11) or E2E (the paper's basis)."""
+    block.slo_basis = args.slo_basis
+    block.unloaded_mean_s = unloaded_mean(core, requests, ids, prompt, whole=args.slo_basis == "e2e")
+    block.slo_ttft_s = args.slo_factor * block.unloaded_mean_s
+
+
+def unloaded_mean(core: EngineCore, requests: list[TraceRequest], ids: dict[str, AdapterId], prompt: Prompt,
+                  whole: bool) -> float:
+    """Mean TTFT (or E2E when `whole`) of `requests` sent one at a time: each alone on the engine, so
+    nothing queues; cold adapters load as they would."""
+    latencies = []
+    for r in requests:
+        request = Request(r.request_id, prompt(r), replay_sampling(r.output_len if whole else 1),
+                          ids[r.adapter] if r.adapter else None, arrival_time=core.clock.now())
+        core.add_request(request)
+        while not request.is_finished:
+            steps = core.num_steps
+            core.step()
+            if core.num_steps == steps and not request.is_finished:
+                raise RuntimeError("the engine runs no step for a request alone on it")
+        latencies.append((request.finished_time if whole else request.first_token_time) - request.arrival_time)
+    return float(np.mean(latencies))
+
+
+# ---- one run's numbers ----------------------------------------------------------------------------
+
+def measure(core: EngineCore, log: ReplayLog, trace: Trace, scheduler: str, rps: float, slo_s: float) -> RunResult:
+    results = [result_of(r, log.origin, r.adapter.name if r.adapter else None) for r in log.requests]
+    summary = summarize(results, trace_duration(trace), log.end - log.origin, Slo(ttft_s=slo_s), offered_tokens(trace))
+    elapsed = max(summary.elapsed_s, summary.duration_s)
+    good = sum(r.prompt_len + r.generated for r in results if r.finished and r.ttft_s <= slo_s)
+    jain, spread = fairness(results)
+    stats = core.scheduler_stats()
+    return RunResult(
+        scheduler, 0.0, rps, len(results), summary.finished, run_digest(log.requests),
+        summary.ttft_s.get("p50"), summary.ttft_s.get("p99"), summary.tpot_s.get("p50"),
+        summary.throughput_tokens_per_s, good / elapsed, summary.slo_attainment or 0.0, jain, spread,
+        stats.num_preemptions, stats.num_squashes, stats.num_bypasses,
+        stats.predictor.mean_rel_error if stats.predictor else None)
+
+
+def fairness(results: list[RequestResult]) -> tuple[float | None, float | None]:
+    """(Jain's index, max/min) over adapters of their mean TTFT. TTFT, not E2E per token: decode time,
+    which no admission order changes, dominates E2E and would hide who waits."""
+    per: dict[str | None, list[float]] = defaultdict(list)
+    for r in results:
+        if r.ttft_s is not None:
+            per[r.adapter].append(r.ttft_s)
+    means = np.array([np.mean(v) for v in per.values() if len(v) >= FAIRNESS_MIN_REQUESTS])
+    if len(means) < 2 or not means.min() > 0:
+        return None, None
+    return float(means.sum() ** 2 / (len(means) * (means ** 2).sum())), float(means.max() / means.min())
+
+
+def run_digest(requests: list[Request]) -> str:
+    rows = sorted((r.request_id, r.adapter.name if r.adapter else "", r.num_prompt_tokens, len(r.output_token_ids))
+                  for r in requests)
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+# ---- the sweep, shared by both sides ----------------------------------------------------------------
+
+def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float], search: bool) -> None:
+    """Every scheduler at every load, the ratios to FIFO, and each one's throughput at the SLO."""
+    for load in loads:
+        for name in schedulers:
+            block.runs.append(_at_load(block, run_at, name, load))
+    add_ratios(block)
+    for name in schedulers:
+        grid = {r.load: r.ttft_p99_s for r in block.runs if r.scheduler == name}
+        p99_at = (lambda load, n=name: _at_load(block, run_at, n, load).ttft_p99_s) if search else None
+        block.slo_throughput.append(slo_throughput(name, grid, block.slo_ttft_s, block.saturation_rps, p99_at))
+    base = next(k for k in block.slo_throughput if k.scheduler == BASELINE)
+    for k in block.slo_throughput:  # a capped rate is a lower bound: no ratio of it means anything
+        uncapped = not (k.capped or base.capped) and k.rps is not None
+        k.vs_fifo = k.rps / base.rps if uncapped and base.rps else None
+
+
+def _at_load(block: Block, run_at: RunAt, scheduler: str, load: float) -> RunResult:
+    print(f"{block.side} ({block.memory_policy}): {scheduler} at {load:.3g} x saturation ...", flush=True)
+    result = run_at(scheduler, load * block.saturation_rps)
+    result.load = load
+    return result
+
+
+def add_ratios(block: Block) -> None:
+    fifo = {r.load: r for r in block.runs if r.scheduler == BASELINE}
+    for r in block.runs:
+        base = fifo.get(r.load)
+        if base is not None:
+            r.p99_ttft_vs_fifo = _ratio(r.ttft_p99_s, base.ttft_p99_s)
+            r.goodput_vs_fifo = _ratio(r.goodput_tokens_per_s, base.goodput_tokens_per_s)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def slo_throughput(name: str, grid: dict[float, float | None], slo_s: float, saturation_rps: float,
+                   p99_at: Callable[[float], float | None] | None) -> SloThroughput:
+    """The highest load meeting the SLO below the first that misses it: from the grid, refined by
+    geometric bisection when `p99_at` can run more loads."""
+    probes = dict(grid)
+
+    def meets(load: float) -> bool:
+        if load not in probes:
+            probes[load] = p99_at(load) if p99_at else None
+        return probes[load] is not None and probes[load] <= slo_s
+
+    lo, hi = _bracket(grid, slo_s)
+    capped = lo is not None and hi is None  # met at every load tried: the throughput is at least lo's
+    if p99_at is not None:
+        lo, hi, capped = _widen(lo, hi, meets)
+        while lo is not None and hi is not None and hi / lo > 1 + KNEE_TOL:
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return SloThroughput(name, "search" if p99_at else "grid", lo, None if lo is None else lo * saturation_rps,
+                         capped=capped, probes=sorted(probes.items()))
+
+
+def _bracket(grid: dict[float, float | None], slo_s: float) -> tuple[float | None, float | None]:
+    """(the highest load meeting the SLO below the lowest that misses it, that lowest miss)."""
+    misses = [load for load, p99 in grid.items() if p99 is None or p99 > slo_s]
+    hi = min(misses, default=None)
+    lo = max((load for load in grid if load not in misses and (hi is None or load < hi)), default=None)
+    return lo, hi
+
+
+Bracket = tuple[float | None, float | None, bool]  # (lo, hi, capped)
+
+
+def _widen(lo: float | None, hi: float | None, meets: Callable[[float], bool]) -> Bracket:
+    """Extend the bracket beyond the grid: halve below a grid that always misses, x1.5 above one that never does."""
+    while lo is None and hi is not None:
+        if hi / 2 < KNEE_MIN_LOAD:
+            return None, hi, False
+        lo, hi = (hi / 2, hi) if meets(hi / 2) else (None, hi / 2)
+    while hi is None and lo is not None:
+        if lo * 1.5 > KNEE_MAX_LOAD:
+            return lo, None, True
+        lo, hi = (lo * 1.5, None) if meets(lo * 1.5) else (lo, lo * 1.5)
+    return lo, hi, False
+
+
+# ---- arguments ------------------------------------------------------------------------------
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--side", choices=["twin", "engine", "both"], default="both")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedulers", default=",".join(DEFAULT_SCHEDULERS), help="comma-separated; fifo is required")
+    p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of FIFO's saturation rate")
+    p.add_argument("--memory-policy", default="unified",
+                   help="comma-separated memory policies; each gets its own saturation, SLO and table")
+    p.add_argument("--baseline-policy", default=None, metavar="POLICY",
+                   help="run the FIFO baseline on this memory policy (e.g. lru-static: vLLM's fixed slots, "
+                        "or no-cache: S-LoRA's) while the other schedulers run on --memory-policy; loads, "
+                        "SLO and ratios are then relative to that baseline")
+    p.add_argument("--slo-factor", type=float, default=5.0, help="TTFT SLO = this x FIFO's unloaded mean --slo-basis")
+    p.add_argument("--slo-basis", choices=["ttft", "e2e"], default="ttft",
+                   help="ttft (issue 11) or e2e (the paper: 5x the mean execution time at low load)")
+    p.add_argument("--max-tokens", default="context", metavar="context|exact|N",
+                   help="max_tokens clients send: the context left, the true length (the predictor's clamp "
+                        "then knows it), or N; requests stop at their trace length either way")
+    p.add_argument("--scheduler-option", action="append", default=[], metavar="SCHED:KEY=VALUE",
+                   help="a knob of one scheduler, e.g. chameleon:slo_s=2 (repeatable)")
+    w = p.add_argument_group("workload (both sides)")
+    w.add_argument("--adapters", type=int, default=100)
+    w.add_argument("--ranks", default="8,16,32,64,128", help="adapter ranks, equal counts, each rank equally popular")
+    w.add_argument("--zipf", type=float, default=1.0, help="popularity exponent over the adapters of one rank")
+    w.add_argument("--lengths", choices=["azure23_conv", "azure23_code", "uniform"], default="azure23_conv")
+    w.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
+    t = p.add_argument_group("twin")
+    t.add_argument("--profile", default="whatif-h100-llama8b", help="profile name or file")
+    t.add_argument("--requests", type=int, default=2000, help="requests of the trace (twin)")
+    t.add_argument("--length-scale", type=float, default=1.0, help="multiply token counts (twin)")
+    t.add_argument("--unloaded-requests", type=int, default=200, help="requests timed alone for the SLO (twin)")
+    t.add_argument("--slo-throughput", choices=["search", "grid"], default="search",
+                   help="throughput at the SLO by bisection, or the best of --loads (twin; the engine uses grid)")
+    e = p.add_argument_group("real engine (tiny CPU model)")
+    e.add_argument("--engine-requests", type=int, default=150)
+    e.add_argument("--engine-length-scale", type=float, default=0.25, help="multiply token counts")
+    e.add_argument("--engine-unloaded-requests", type=int, default=20)
+    e.add_argument("--engine-saturation-rps", type=float, default=None,
+                   help="FIFO's saturation rate (default: measured, requests/s of a burst of the trace)")
+    e.add_argument("--engine-num-blocks", type=int, default=None,
+                   help="pages of the pool (default: the twin's pool scaled so that adapters take the same share)")
+    e.add_argument("--engine-max-num-seqs", type=int, default=32)
+    e.add_argument("--engine-max-batched-tokens", type=int, default=512)
+    e.add_argument("--emulate-h2d-gbps", type=float, default=None, metavar="GBPS",
+                   help="EMULATED host->device bandwidth (default: calibrated as in `bench memory`)")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or auto (on CUDA copies are real, not emulated)")
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_memory_args(p)
+
+
+def parse_list(text: str, flag: str, kind: type) -> list:
+    try:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CommandError(f"{flag} must be comma-separated {kind.__name__} values, not {text!r}") from None
+    if not values:
+        raise CommandError(f"{flag} is empty")
+    return values
+
+
+def schedulers_of(args: argparse.Namespace) -> list[str]:
+    names = parse_list(args.schedulers, "--schedulers", str)
+    unknown = sorted(set(names) - set(SCHEDULERS))
+    if unknown:
+        raise CommandError(f"--schedulers: unknown {unknown}; choose from {sorted(SCHEDULERS)}")
+    if BASELINE not in names:
+        raise CommandError("--schedulers must include fifo: every ratio is to it")
+    return list(dict.fromkeys(names))
+
+
+def scheduler_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """SCHED:KEY=VALUE flags by scheduler; the scheduler checks the knobs when it is built."""
+    grouped: dict[str, list[str]] = defaultdict(list)
+    for item in args.scheduler_option:
+        name, sep, pair = item.partition(":")
+        if not sep or name not in SCHEDULERS:
+            raise CommandError(f"--scheduler-option {item!r} is not SCHED:KEY=VALUE with SCHED in {sorted(SCHEDULERS)}")
+        grouped[name].append(pair)
+    try:
+        return {name: parse_scheduler_options(pairs) for name, pairs in grouped.items()}
+    except ValueError as exc:
+        raise CommandError(f"--scheduler-option: {exc}") from None
+
+
+def check_options(options: dict[str, dict[str, str]]) -> None:
+    """Build each scheduler with its knobs once, so that a bad knob fails before any run."""
+    for name, knobs in options.items():
+        config = EngineConfig(scheduler=name, scheduler_options=knobs)
+        clock = ManualClock()
+        try:
+            make_scheduler(config, make_memory(config, no_adapter_pages, clock), lambda _: 0, clock)
+        except ValueError as exc:
+            raise CommandError(f"--scheduler-option {name}: {exc}") from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    schedulers_of(args)
+    check_options(scheduler_options(args))
+    policies = parse_list(args.memory_policy, "--memory-policy", str)
+    if set(policies) - set(MEMORY_POLICIES):
+        raise CommandError(f"--memory-policy {args.memory_policy!r}: choose from {sorted(MEMORY_POLICIES)}")
+    if args.baseline_policy is not None and args.baseline_policy not in MEMORY_POLICIES:
+        raise CommandError(f"--baseline-policy {args.baseline_policy!r}: choose from {sorted(MEMORY_POLICIES)}")
+    loads = parse_list(args.loads, "--loads", float)
+    if min(loads) <= 0:
+        raise CommandError(f"--loads must be positive, not {args.loads!r}")
+    ranks = parse_list(args.ranks, "--ranks", int)
+    if min(ranks) < 1 or args.max_lora_rank < max(ranks):
+        raise CommandError(f"--ranks must be >= 1 and at most --max-lora-rank {args.max_lora_rank}, not {args.ranks!r}")
+    if args.max_tokens not in ("context", "exact") and not (args.max_tokens.isdigit() and int(args.max_tokens) > 0):
+        raise CommandError(f"--max-tokens must be context, exact or a positive integer, not {args.max_tokens!r}")
+    positive = ("adapters", "requests", "unloaded_requests", "engine_requests", "engine_unloaded_requests",
+                "slo_factor", "length_scale", "engine_length_scale", "engine_max_num_seqs",
+                "engine_max_batched_tokens", "engine_saturation_rps", "engine_num_blocks", "emulate_h2d_gbps",
+                "threads", "max_loras")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise CommandError(f"--{name.replace('_', '-')} must be positive, not {value}")
+    if args.zipf < 0 or (args.host_blocks is not None and args.host_blocks < 0):
+        raise CommandError("--zipf and --host-blocks must not be negative")
+
+
+def policy_of(args: argparse.Namespace, block_policy: str, scheduler: str) -> str:
+    """The memory policy `scheduler` runs on in a block of `block_policy`."""
+    return args.baseline_policy if scheduler == BASELINE and args.baseline_policy else block_policy
+
+
+def trace_spec(args: argparse.Namespace, side: str, max_model_len: int) -> TraceSpec:
+    engine = side == "engine"
+    return TraceSpec(requests=args.engine_requests if engine else args.requests, adapters=args.adapters,
+                     ranks=tuple(parse_list(args.ranks, "--ranks", int)), zipf_s=args.zipf, lengths=args.lengths,
+                     length_scale=args.engine_length_scale if engine else args.length_scale,
+                     max_model_len=max_model_len, seed=args.seed)
+
+
+# ---- the twin -------------------------------------------------------------------------------
+
+def run_twin(args: argparse.Namespace) -> list[Block]:
+    try:
+        profile = load_profile(args.profile)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CommandError(str(exc)) from None
+    trace = unit_trace(trace_spec(args, "twin", int(profile.engine["max_model_len"])), args.traces_dir)
+    blocks = []
+    for policy in parse_list(args.memory_policy, "--memory-policy", str):
+        twin = TwinSide(profile, args, policy)
+        block = Block("twin", policy, {"profile": profile.name, "requests": len(trace.requests),
+                                       "length_scale": args.length_scale, "max_tokens": args.max_tokens,
+                                       "max_lora_rank": args.max_lora_rank, "spec": trace.workload},
+                      baseline_policy=policy_of(args, policy, BASELINE))
+        twin.calibrate(block, trace)
+        loads = parse_list(args.loads, "--loads", float)
+        sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
+              args.slo_throughput == "search")
+        blocks.append(block)
+    return blocks
+
+
+class TwinSide:
+    """Fresh twin engines of one profile and memory policy, one per run."""
+
+    def __init__(self, profile: Profile, args: argparse.Namespace, policy: str) -> None:
+        self.profile = profile
+        self.args = args
+        self.policy = policy
+        self.options = scheduler_options(args)
+
+    def config(self, scheduler: str) -> EngineConfig:
+        args = self.args
+        extra: dict[str, Any] = {} if args.max_loras is None else {"max_loras": args.max_loras}
+        if args.host_blocks is not None:
+            extra["num_host_blocks"] = args.host_blocks
+        try:  # the policy is passed always: a profile that names none means lru-static
+            return self.profile.engine_config(memory_policy=policy_of(args, self.policy, scheduler),
+                                              max_lora_rank=args.max_lora_rank,
+                                              scheduler=scheduler, scheduler_options=self.options.get(scheduler, {}),
+                                              **extra)
+        except ValueError as exc:
+            raise CommandError(f"twin, {self.policy}, {scheduler}: {exc}") from None
+
+    def engine(self, scheduler: str, trace: Trace) -> tuple[EngineCore, WaitUntil, dict[str, AdapterId]]:
+        config = self.config(scheduler)
+        try:
+            core, clock = make_sim_engine(self.profile, config)
+            check_fits(trace, config.max_model_len, config.max_lora_rank)
+        except ValueError as exc:  # e.g. a bad scheduler option, or lru-static slots that leave no KV
+            raise CommandError(f"twin, {self.policy}, {scheduler}: {exc}") from None
+
+        def jump(t: float) -> None:
+            clock.advance(max(0.0, t - clock.now()))
+
+        return core, jump, register_adapters(core, trace.adapters())
+
+    def calibrate(self, block: Block, trace: Trace) -> None:
+        """The SLO (from FIFO unloaded) and FIFO's saturation rate."""
+        core, _, ids = self.engine(BASELINE, trace)
+        set_slo(block, core, trace.requests[:self.args.unloaded_requests], ids, sim_prompt, self.args)
+        print(f"twin ({self.policy}): FIFO's saturation rate ...", flush=True)
+        with cyclic_gc_paused():  # FIFO never reads max_tokens, so simulate_server's exact ones serve
+            block.saturation_rps = saturation_rps(self.profile, lambda rps: at_rate(trace, rps), self.config(BASELINE))
+        block.saturation_method = "bisection: the highest rate whose window throughput is >= 90% of the offered"
+
+    def run_at(self, trace: Trace, slo_s: float) -> RunAt:
+        def run(scheduler: str, rps: float) -> RunResult:
+            scaled = at_rate(trace, rps)
+            core, jump, ids = self.engine(scheduler, scaled)
+            with cyclic_gc_paused():
+                log = drive(core, scaled, ids, sim_prompt, jump, self.args.max_tokens, TWIN_STOP_ID)
+            return measure(core, log, scaled, scheduler, rps, slo_s)
+
+        return run
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def print_block(block: Block) -> None:
+    shown = {k: v for k, v in block.settings.items() if k not in ("spec", "calibration")}
+    fifo_on = f" (fifo on {block.baseline_policy})" if block.baseline_policy != block.memory_policy else ""
+    print(f"\n== {block.side}, memory_policy={block.memory_policy}{fifo_on}: "
+          + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()))
+    print(f"FIFO saturation {block.saturation_rps:.3g} req/s ({block.saturation_method}); TTFT SLO "
+          f"{block.slo_ttft_s * 1e3:.1f} ms = {block.slo_ttft_s / block.unloaded_mean_s:g} x FIFO's unloaded mean "
+          f"{block.slo_basis.upper()} {block.unloaded_mean_s * 1e3:.1f} ms")
+    print(f"{'load':>5}{'req/s':>8} {'scheduler':<10}{'done':>6}{'TTFT p50':>10}{'TTFT p99':>10}{'TBT p50':>9}"
+          f"{'tok/s':>9}{'good tok/s':>11}{'SLO met':>8}{'Jain':>6}{'p99/FIFO':>9}{'good/FIFO':>10}")
+    for r in block.runs:
+        print(f"{r.load:>5.2f}{r.rps:>8.3g} {r.scheduler:<10}{r.finished:>6}{_ms(r.ttft_p50_s):>10}"
+              f"{_ms(r.ttft_p99_s):>10}{_ms(r.tbt_p50_s):>9}{r.throughput_tokens_per_s:>9.0f}"
+              f"{r.goodput_tokens_per_s:>11.0f}{r.slo_attainment:>8.1%}{_num(r.fairness_jain, '.3f'):>6}"
+              f"{_change(r.p99_ttft_vs_fifo):>9}{_num(r.goodput_vs_fifo, '.2f', 'x'):>10}")
+    print("(times in ms; TBT = a request's mean time between tokens; tok/s = prompt + output tokens; good = of "
+          "requests meeting the TTFT SLO; Jain = fairness index over the adapters' mean TTFTs)")
+    print_slo_throughput(block)
+
+
+def print_slo_throughput(block: Block) -> None:
+    how = {"search": "bisection", "grid": "the best of the loads run"}
+    parts = []
+    for k in block.slo_throughput:
+        rate = "not met" if k.rps is None else f"{'>= ' if k.capped else ''}{k.rps:.3g} req/s ({k.load:.2f} x sat)"
+        parts.append(f"{k.scheduler} {rate}{'' if k.vs_fifo is None else f' = {k.vs_fifo:.2f}x FIFO'}")
+    method = how[block.slo_throughput[0].method] if block.slo_throughput else ""
+    print(f"throughput at the SLO (highest rate with P99 TTFT <= SLO, {method}): " + "; ".join(parts))
+    chameleon = next((k for k in block.slo_throughput if k.scheduler == "chameleon"), None)
+    top = max((r for r in block.runs if r.scheduler == "chameleon"), key=lambda r: r.load, default=None)
+    if chameleon is not None and top is not None:
+        print(f"chameleon vs fifo: P99 TTFT {_change(top.p99_ttft_vs_fifo)} at {top.load:g} x sat (goal "
+              f"{GOAL['p99_ttft_change']:.0%}, paper {PAPER['p99_ttft_change']:.1%} without the adapter cache); "
+              f"SLO throughput {_num(chameleon.vs_fifo, '.2f', 'x')} (goal {GOAL['slo_throughput_ratio']:g}x, "
+              f"paper {PAPER['slo_throughput_ratio']:g}x)")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _num(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _change(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio - 1:+.1%}"
+
+
+def write_json(path: Path, args: argparse.Namespace, blocks: list[Block]) -> None:
+    write_bench_json(path, "bench schedulers", args, {"goal": GOAL, "paper": PAPER,
+                                                       "blocks": [asdict(b) for b in blocks]})
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    blocks = []
+    if args.side in ("twin", "both"):
+        blocks += run_twin(args)
+    if args.side in ("engine", "both"):
+        blocks += _engine_side()(args)
+    for block in blocks:
+        print_block(block)
+    if args.json:
+        write_json(Path(args.json), args, blocks)
+    return 0
+
+
+def _engine_side() -> Callable[[argparse.Namespace], list[Block]]:
+    try:  # torch and the agent load only when the real engine runs
+        from loraplex_bench.scheduler_engine import run_engine
+    except ImportError as exc:
+        raise CommandError(f"the real-engine side needs the agent and torch ({exc}); run with --side twin") from None
+    return run_engine

@@ -1,0 +1,361 @@
+"""The scheduler seam, the mechanics every policy shares, and the FIFO scheduler.
+
+There are no prefill or decode phases, only a per-step token budget: every request is given tokens
+so that its computed tokens catch up with its known tokens (prompt chunks first, then one token per
+decode). Running requests go first, oldest first; when KV blocks run out the newest running request
+is preempted; its computed blocks stay in the prefix cache, so it resumes from there. `BatchScheduler` does all of that; a policy only decides which
+waiting requests to admit (`_schedule_waiting`) and keeps its own waiting structure. FIFO admits in
+arrival order while the budget, the batch size, memory and adapters allow; a request whose
+adapter is not on the device yet is skipped for this step (its copy starts), keeping its place.
+The other policies (`sjf`, `vtc`, `chameleon`) live one per module; `schedulers.py` names them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from typing import Protocol
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.memory.device_memory import DeviceMemory
+from loraplex.engine.messages import (
+    NO_ADAPTER_SLOT,
+    ExecutorResult,
+    RequestOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from loraplex.engine.options import options_for
+from loraplex.engine.output.stopping import finish_reason
+from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.scheduling.stats import QueueStats, SchedulerStats
+from loraplex.spec.adapter import AdapterId
+from loraplex.util.clock import Clock
+
+RankOf = Callable[[AdapterId], int]
+
+
+class Scheduler(Protocol):
+    """A step's policy. `schedule` says what one forward pass computes; `update` applies its result."""
+
+    def add_request(self, request: Request) -> None: ...
+
+    def abort_request(self, request_id: str) -> Request | None: ...
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]: ...
+
+    def retire_adapter(self, adapter: AdapterId) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot for metrics; cheap enough to take every second, not every step."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+
+class Admit(enum.Enum):
+    """What happened when the scheduler tried to start one waiting request."""
+
+    OK = "ok"  # running now; its first chunk is the last one in the step's output
+    NO_SLOT = "no_slot"  # its adapter (or cached prefix) is not on the device yet
+    NO_KV = "no_kv"  # too few KV blocks for its first chunk
+
+
+def adapter_key(adapter: AdapterId | None) -> str:
+    """The name metrics use for an adapter; '' is the base model."""
+    return adapter.name if adapter is not None else ""
+
+
+class BatchScheduler:
+    """Running requests, preemption, device memory and finishing: what every policy shares. A subclass owns the waiting requests: `_enqueue`, `_requeue`, `_remove_waiting`,
+    `num_waiting` and `_schedule_waiting`, which admits through `_admit`."""
+
+    policy = "base"
+
+    def __init__(self, config: EngineConfig, memory: DeviceMemory, rank_of: RankOf, clock: Clock) -> None:
+        self.config = config
+        self.memory = memory
+        self.rank_of = rank_of
+        self.clock = clock
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._slots: dict[str, int] = {}  # request_id -> adapter handle, while it holds one
+        self._finished: list[str] = []
+        self._waiting_adapters: Counter[AdapterId] = Counter()  # adapters of waiting requests
+        memory.queued = self._is_queued  # the memory policy keeps these adapters longest
+        self.adapter_service: defaultdict[str, int] = defaultdict(int)  # adapter -> tokens of finished requests
+
+    # ---- the waiting requests: a policy's own structure ----------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        raise NotImplementedError
+
+    def _enqueue(self, request: Request) -> None:
+        """A new request arrived."""
+        raise NotImplementedError
+
+    def _requeue(self, request: Request) -> None:
+        """A running request was preempted; it waits again (recomputed from scratch)."""
+        raise NotImplementedError
+
+    def _remove_waiting(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        raise NotImplementedError
+
+    def _on_finished(self, request: Request) -> None:
+        """A request left for good (finished or aborted): policies learn from it here."""
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._waiting_adapters[request.adapter] += 1
+        self._enqueue(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self._remove_waiting(request)
+            self._waiting_adapters[request.adapter] -= 1
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def retire_adapter(self, adapter: AdapterId) -> None:
+        """Drop `adapter`'s weights and cached KV as soon as no running request uses it."""
+        self.memory.retire_adapter(adapter)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(chunks=[], adapter_loads=[], adapter_evictions=[],
+                              finished_request_ids=self._finished, preempted_request_ids=[])
+        self._finished = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_request_ids and self.num_waiting:
+            self._schedule_waiting(out, budget)
+        self.memory.drain(out, len(self.running))
+        return out
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(policy=self.policy, queues=[self._queue_stats(0, None, self._waiting_requests())],
+                              num_preemptions=self.num_preemptions, adapter_service=dict(self.adapter_service))
+
+    def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
+        # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
+        if result.copies_done:
+            self.memory.on_result(result)
+        outputs = []
+        now = self.clock.now()
+        requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
+        max_model_len = self.config.max_model_len
+        finished = False
+        for chunk in output.chunks:
+            request = requests.get(chunk.request_id)
+            if request is None or request.status is not running:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.request_id]
+            token_id, tokens = token.token_id, request.output_token_ids
+            tokens.append(token_id)
+            request.output_logprobs.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = finish_reason(request, max_model_len)
+            if reason is not None:
+                self._finish(request, reason)  # dropped from the running list below
+                finished = True
+            outputs.append(RequestOutput(chunk.request_id, [token_id], [token], len(request.prompt_token_ids),
+                                         len(tokens), reason is not None, reason))
+        if finished:  # one pass instead of a list.remove per finished request
+            self.running = [r for r in self.running if r.status is running]
+        return outputs
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Runs once per running request per step, hence the locals and the counts read once.
+        chunks, allocate, chunk, running = out.chunks, self.memory.allocate, self._chunk, RequestStatus.RUNNING
+        for request in list(self.running):  # a copy: preemption removes from self.running
+            if budget == 0:
+                break
+            if request.status is not running:
+                continue  # preempted earlier in this loop
+            start = request.num_computed_tokens
+            num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
+            num_tokens = num_prompt + num_output - start
+            if num_tokens > budget:
+                num_tokens = budget
+            if allocate(request, num_tokens) or self._allocate_or_preempt(request, num_tokens, out):
+                chunks.append(chunk(request, start, num_tokens, num_prompt, num_output))
+                budget -= num_tokens
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running requests until `request` fits (a failed allocate takes nothing)."""
+        while not self.memory.allocate(request, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> Admit:
+        """Start `request` with a first chunk of at most `budget` tokens, or take nothing."""
+        if not self._acquire_slot(request):
+            return Admit.NO_SLOT
+        if request.num_computed_tokens == 0 and not self.memory.begin(request):
+            self._release_slot(request)
+            return Admit.NO_SLOT
+        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.memory.allocate(request, num_tokens):
+            self.memory.release(request)
+            request.num_computed_tokens = 0
+            self._release_slot(request)
+            return Admit.NO_KV
+        request.status = RequestStatus.RUNNING
+        self._waiting_adapters[request.adapter] -= 1
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock.now()
+        self.running.append(request)
+        out.chunks.append(self._chunk(request, request.num_computed_tokens, num_tokens,
+                                      len(request.prompt_token_ids), len(request.output_token_ids)))
+        return Admit.OK
+
+    def _chunk(self, request: Request, start: int, num_tokens: int, num_prompt: int,
+               num_output: int) -> ScheduledChunk:
+        """`num_tokens` tokens from position `start` (the request's computed tokens); the caller
+        passes the counts it already read."""
+        if start >= num_prompt:  # a decode: the common case, sliced here without a call
+            tokens = request.output_token_ids[start - num_prompt:start - num_prompt + num_tokens]
+        else:
+            tokens = request.token_slice(start, num_tokens)
+        return ScheduledChunk(
+            request.request_id, tokens, start, request.block_ids,
+            self._slots.get(request.request_id, NO_ADAPTER_SLOT),
+            start + num_tokens == num_prompt + num_output, request.sampling, num_output)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        self._stop_running(request, out)
+
+    def _stop_running(self, request: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the batch and let it wait again; its computed blocks go to the
+        prefix cache (where the policy keeps one), the rest is recomputed."""
+        self.running.remove(request)
+        self.memory.release(request)
+        self._release_slot(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._waiting_adapters[request.adapter] += 1
+        self._requeue(request)
+        out.preempted_request_ids.append(request.request_id)
+
+    # ---- adapters -------------------------------------------------------------------------
+
+    def _is_queued(self, adapter: AdapterId | None) -> bool:
+        return self._waiting_adapters[adapter] > 0
+
+    def _acquire_slot(self, request: Request) -> bool:
+        if request.adapter is None:
+            return True
+        handle = self.memory.acquire_adapter(request.adapter)
+        if handle is None:
+            return False
+        self._slots[request.request_id] = handle
+        return True
+
+    def _release_slot(self, request: Request) -> None:
+        if self._slots.pop(request.request_id, None) is not None:
+            self.memory.release_adapter(request.adapter)
+
+    # ---- results ----------------------------------------------------------------------------
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.block_ids:
+            self.memory.release(request)
+        self._release_slot(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finished_time = self.clock.now()
+        del self.requests[request.request_id]
+        self._finished.append(request.request_id)
+        if request.first_scheduled_time is not None:
+            self.adapter_service[adapter_key(request.adapter)] += request.num_tokens
+        self._on_finished(request)
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    def _waiting_requests(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.status is not RequestStatus.RUNNING]
+
+    def _queue_stats(self, index: int, upper: float | None, waiting: list[Request], **extra) -> QueueStats:
+        now = self.clock.now()
+        oldest = min((r.arrival_time for r in waiting), default=now)
+        return QueueStats(index=index, upper_boundary=upper, length=len(waiting),
+                          head_wait_s=max(0.0, now - oldest), **extra)
+
+
+class FifoScheduler(BatchScheduler):
+    policy = "fifo"
+
+    def __init__(self, config: EngineConfig, memory: DeviceMemory, rank_of: RankOf, clock: Clock) -> None:
+        super().__init__(config, memory, rank_of, clock)
+        options_for(config.scheduler_options)  # takes none
+        self.waiting: deque[Request] = deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _requeue(self, request: Request) -> None:
+        self.waiting.appendleft(request)
+
+    def _remove_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.popleft()
+            admit = self._admit(request, out, budget)
+            if admit is Admit.OK:
+                budget -= out.chunks[-1].num_tokens
+            elif admit is Admit.NO_SLOT:
+                skipped.append(request)
+            else:
+                self.waiting.appendleft(request)
+                break
+        self.waiting.extendleft(reversed(skipped))

@@ -1,0 +1,105 @@
+"""Each engine setting declared once: its name, type, default, bounds and help.
+
+A setting's snake_case name is the AdapterPool's `spec.engine` field (camelCase in YAML), the
+`loraplex agent` flag (kebab case), its argparse dest and the pool ConfigMap's `LORAPLEX_*` variable.
+The CRD model (`EngineSpec`), the agent's arguments, the flag translator both the operator and
+`loraplex up` use (`agent_flags`) and the table in docs/engine.md all derive from `ENGINE_SETTINGS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field
+
+NAME_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"  # a policy named in a CRD: refused with a reason if unknown
+
+
+@dataclass(frozen=True)
+class EngineSetting:
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str                                # the flag's help (`loraplex agent --help`)
+    description: str | None = None          # the CRD field's (None: the schema gives none)
+    choices: tuple[str, ...] = ()            # the flag's choices (the CRD checks a pattern, the operator the name)
+    constraints: Mapping[str, Any] = field(default_factory=dict)  # the CRD field's bounds: ge, le, gt, pattern
+    flag_name: str = ""                      # when the flag is not the name in kebab case
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + (self.flag_name or self.name.replace("_", "-"))
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        """The pool ConfigMap's variable that carries the value (the pod's args say `$(env)`)."""
+        return "LORAPLEX_" + self.dest.upper()
+
+    def crd_field(self) -> Any:
+        """The pydantic field of `EngineSpec`."""
+        return Field(self.default, description=self.description, **self.constraints)
+
+    def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup, **overrides: Any) -> None:
+        """The flag; a command whose default or help differs (a benchmark's own) says so in `overrides`."""
+        options: dict[str, Any] = {"type": self.type, "default": self.default, "help": self.help}
+        if self.choices:
+            options["choices"] = list(self.choices)
+        if self.metavar:
+            options["metavar"] = self.metavar
+        parser.add_argument(self.flag, **(options | overrides))
+
+
+def _int(name: str, default: int | None, help: str, description: str | None = None, **constraints: Any) -> EngineSetting:
+    return EngineSetting(name, int, default, help, description, constraints=constraints)
+
+
+def _named(name: str, default: str, choices: tuple[str, ...], help: str, description: str) -> EngineSetting:
+    return EngineSetting(name, str, default, help, description, choices, {"pattern": NAME_PATTERN})
+
+
+ENGINE_SETTINGS: dict[str, EngineSetting] = {s.name: s for s in (
+    _int("max_model_len", None, "default: the model's own limit", "Default: the model's own limit", ge=16),
+    _int("max_lora_rank", 64, "largest adapter rank served (default 64; `loraplex agent`: the largest rank of its "
+         "--adapter folders, 64 without any)", ge=1, le=512),
+    _int("max_loras", 8, "adapter slots carved out of device memory under --memory-policy lru-static",
+         "Adapter slots under memoryPolicy lru-static", ge=1),
+    _int("max_num_seqs", 64, "requests in the running batch", ge=1),
+    _int("max_num_batched_tokens", 512, "tokens one step computes at most; longer prompts are chunked", ge=16),
+    _int("block_size", 16, "tokens per KV block (page)", ge=1),
+    EngineSetting("kv_cache_memory_gib", float, None, "memory for the KV cache and the adapter slots in GiB (used "
+                  "when --num-blocks is not given)", "Default: sized from free memory", constraints={"gt": 0},
+                  flag_name="kv-cache-memory", metavar="GIB"),
+    _named("scheduler", "fifo", ("fifo", "sjf", "vtc", "chameleon"), "engine scheduler (docs/engine.md, Schedulers)",
+           "Engine scheduler by name"),
+    _named("memory_policy", "unified", ("unified", "lru-static", "no-cache"),
+           "adapters and KV in one page pool with a prefix cache and an adapter cache (unified), vLLM's fixed "
+           "slots (lru-static) or S-LoRA's drop-when-idle (no-cache); docs/engine.md",
+           "unified (one page pool, prefix and adapter cache), lru-static or no-cache"),
+)}
+
+
+def add_engine_settings(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str,
+                        **overrides: Mapping[str, Any]) -> None:
+    """The named settings' flags (all of them without names); `overrides[name]` changes one flag's
+    default or help for a command whose meaning differs, e.g. `max_loras={"default": None}`."""
+    for name in names or ENGINE_SETTINGS:
+        ENGINE_SETTINGS[name].add_to(parser, **overrides.get(name, {}))
+
+
+def settings_table() -> str:
+    """The markdown table of docs/engine.md ("Engine settings"), checked against this in the tests."""
+    rows = ["| AdapterPool `spec.engine` | `loraplex agent` flag | default | meaning |", "|---|---|---|---|"]
+    for s in ENGINE_SETTINGS.values():
+        camel = s.name.split("_")[0] + "".join(w.title() for w in s.name.split("_")[1:])
+        default = "—" if s.default is None else f"`{s.default}`"
+        choices = f" ({', '.join(s.choices)})" if s.choices else ""
+        rows.append(f"| `{camel}` | `{s.flag}` | {default} | {s.help}{choices} |")
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""The floor every layer of the core stands on: time (an injected clock), nothing above it."""
