@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from loraplex.cli import CommandError
+from loraplex.cli import CommandError, existing_dir, existing_file
 
 
 def _load_spec(args: argparse.Namespace):
@@ -31,12 +31,12 @@ def _load_spec(args: argparse.Namespace):
 
 
 def workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default=None, help="workload YAML/JSON (docs/simulator.md); flags override it")
+    p.add_argument("--spec", type=existing_file, default=None, help="workload YAML/JSON (docs/simulator.md); flags override it")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     p.add_argument("--rps", type=float, default=None, help="mean requests per second")
     p.add_argument("--adapters", type=int, default=None, help="number of adapters")
-    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
+    p.add_argument("--traces-dir", type=existing_dir, default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
 
 
 def generate_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def stats_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace file (JSONL)")
+    p.add_argument("trace", type=existing_file, help="trace file (JSONL)")
 
 
 def run_stats(args: argparse.Namespace) -> int:
@@ -79,7 +79,7 @@ def _read(path: str):
 
 
 def sim_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="trace file (JSONL)")
+    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL)")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     p.add_argument("--servers", type=int, default=1, help="servers; more than 1 runs the cluster mode")
     p.add_argument("--placement", default="loraserve", help="cluster: placement policy")
@@ -152,7 +152,7 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
 
 def serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", required=True, help="trace file (JSONL)")
+    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL)")
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--model", default=None, help="model name for requests without an adapter")
     p.add_argument("--api-key", default=None)
@@ -170,7 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="results files of `bench serve` or `sim run --out`")
+    p.add_argument("results", nargs="+", type=existing_file, help="results files of `bench serve` or `sim run --out`")
     p.add_argument("--plots", default=None, help="folder for CDF and over-time PNGs (needs matplotlib)")
     p.add_argument("--slo-ttft", type=float, default=None)
 
@@ -183,7 +183,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
+    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     p.add_argument("--max-loras", type=int, default=None,
                    help="adapter slots per server for every policy; the planner's A_max may be lower. Default: "

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import os
 
-from loraplex.cli import CommandRegistry
+from loraplex.cli import CommandRegistry, existing_dir
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)
@@ -55,8 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=8,
                    help="adapter slots carved out of device memory under --memory-policy lru-static")
     p.add_argument("--max-lora-rank", type=int, default=64,
-                   help="largest adapter rank served (default 64; `loraplex agent`: the largest rank of its "
-                        "--adapter folders, 64 without any)")
+                   help="largest adapter rank served (default 64; `loraplex agent`: 64, or the largest rank "
+                        "of its --adapter folders if larger). A runtime load above it is refused")
     p.add_argument("--scheduler", default="fifo", choices=["fifo", "sjf", "vtc", "chameleon"],
                    help="engine scheduler (docs/engine.md, Schedulers)")
     p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
@@ -117,14 +117,18 @@ def _tiny_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _agent_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--model", type=existing_dir, required=True, help="local Hugging Face model folder")
     p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                    help="a PEFT adapter folder to load at start (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="bearer key required by the adapter load/unload endpoints (env LORAPLEX_API_KEY)")
+                   help="bearer key required by every /v1 endpoint, inference included (as vLLM's --api-key)")
+    p.add_argument("--admin-api-key", default=os.environ.get("LORAPLEX_API_KEY"), metavar="KEY",
+                   help="bearer key required by the admin endpoints only: adapter load/unload and peer adapter "
+                        "fetches (env LORAPLEX_API_KEY; the operator sets it from agentApiKeySecret). Default: "
+                        "--api-key")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest request body; a larger one is answered 413 without being read to the end "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB: a prompt filling a 128k-token context "
@@ -191,7 +195,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder; default: a fresh tiny model")
+    p.add_argument("--model", type=existing_dir, default=None, help="model folder; default: a fresh tiny model")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -207,7 +211,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--model", type=existing_dir, required=True, help="local Hugging Face model folder")
     p.add_argument("--adapters", default=None, help="folder of PEFT adapters; default: MODEL/../adapters")
     p.add_argument("--out", default=None, help="write the profile (or the --check table) as JSON here")
     p.add_argument("--name", default=None, help="profile name; default: the --out file's stem")

@@ -52,7 +52,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys):
     assert main(["sim", "run", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert main(["workload", "generate", "--rps", "-1", "--out", str(tmp_path / "x")]) == 2
-    assert "invalid workload" in capsys.readouterr().err
+    assert "argument --rps" in capsys.readouterr().err
     long = tmp_path / "long.jsonl"
     long.write_text('{"trace_version": 1, "workload": {}}\n'
                     '{"request_id": "r", "arrival_s": 0, "adapter": null, "rank": 0, "prompt_len": 3000, "output_len": 9}\n')
