@@ -75,11 +75,11 @@ def test_unreachable_redis_is_one_line(tiny_model, free_port):
 
 
 @pytest.mark.parametrize(("adapters", "flag", "rank"), [
-    (("lora00-r8", "lora01-r16"), [], 16),
+    (("lora00-r8", "lora01-r16"), [], 64),  # a runtime load up to rank 64 works with the defaults
     ((), [], 64),
     (("lora00-r8",), ["--max-lora-rank", "32"], 32),
 ])
-def test_max_lora_rank_defaults_to_the_largest_start_up_adapter(tiny_model, adapters, flag, rank):
+def test_max_lora_rank_defaults_to_64_or_the_largest_start_up_adapter(tiny_model, adapters, flag, rank):
     specs = [arg for name in adapters for arg in ("--adapter", f"{name}={tiny_model.adapters[name]}")]
     argv = ["agent", "--model", str(tiny_model.base_dir), "--device", "cpu", "--num-blocks", "64",
             "--max-model-len", "256", *specs, *flag]
