@@ -20,7 +20,10 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.max_replicas import MaxReplicasPolicy
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
+from loraplex.ports import in_use, listener
 from loraplex.routing.choice import RoutingChoice, pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
@@ -81,7 +85,7 @@ class StackConfig:
 class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.logs = config.workdir / "logs"
+        self.logs = config.workdir / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # this run's
         self.manifests = self._read_manifests()
         self.pool = config.pool or (self.manifests.pool.metadata["name"] if self.manifests.pool else "local")
         self.redis: Child | None = None
@@ -125,7 +129,11 @@ class LocalStack:
         return self
 
     def _start(self) -> None:
+        self.check_ports()
+        if self.backend == "vllm":
+            check_vllm(self.config.vllm_python)
         self.config.workdir.mkdir(parents=True, exist_ok=True)
+        link_latest(self.logs)
         model = self._base_model()
         if self.config.redis_url is None:
             self.start_redis()
@@ -161,6 +169,31 @@ class LocalStack:
             self.store.close()
         if self.redis is not None:
             self.redis.stop()
+
+    def check_ports(self) -> None:
+        """CommandError naming the first port this stack needs that something listens on already (another
+        `loraplex up`, most often), before anything starts: its health checks would reach the other stack."""
+        for port, what, flag in self.ports():
+            if in_use(port):
+                user = listener(port)
+                raise CommandError(f"port {port} ({what}) is in use{f' by {user}' if user else ''}; is another "
+                                   f"`loraplex up` running? Stop it, or choose another {flag}")
+
+    def ports(self) -> list[tuple[int, str, str]]:
+        """(port, what listens there, the flag that moves it) for every port the stack listens on."""
+        c = self.config
+        found = [(c.router_port, "the router", "--port")]
+        found += [(c.agent_base_port + i, f"agent {i}", "--agent-base-port") for i in range(c.agents)]
+        if self.backend == "vllm":
+            found += [(self.vllm_port(i), f"agent {i}'s vLLM server", "--agent-base-port") for i in range(c.agents)]
+        if c.redis_url is None:
+            found.append((c.redis_port, "redis-server", "--redis-port (or --redis-url)"))
+        return found
+
+    def serving_children_dead(self) -> bool:
+        """The router and every agent have exited: nothing this stack started serves any more."""
+        children = [self.router, *self.agents.values()]
+        return all(child is not None and not child.alive for child in children)
 
     def check_children(self) -> None:
         """Report children that exited (they are not restarted: a local stack is for trying things)."""
@@ -362,6 +395,32 @@ def default_manifests(adapters: Path, pool: str) -> Manifests:
     return found
 
 
+def link_latest(logs: Path) -> None:
+    """WORKDIR/logs/latest -> this run's folder (each run writes its own; nothing quotes a stale line)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    latest = logs.parent / "latest"
+    try:
+        if latest.is_symlink():
+            latest.unlink()
+        latest.symlink_to(logs.name, target_is_directory=True)
+    except OSError:  # a folder named latest, or no symlinks here: the run's own folder is still printed
+        pass
+
+
+def check_vllm(vllm_python: str | None) -> None:
+    """CommandError when the interpreter the agents would run vLLM with has no vllm (before anything starts)."""
+    local = Path(".venv-vllm/bin/python")
+    python = vllm_python or os.environ.get("LORAPLEX_VLLM_PYTHON") or (str(local) if local.is_file() else sys.executable)
+    probe = [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
+    try:
+        found = subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    if not found:
+        raise CommandError(f"--backend vllm: vLLM is not installed for {python}; run scripts/setup-vllm.sh "
+                           "(it makes .venv-vllm), or pass --vllm-python (docs/vllm.md)")
+
+
 def ensure_tiny_model(folder: Path, logs: Path) -> Path:
     """The tiny model in `folder`, made with `loraplex make-tiny-model` if it is not there yet."""
     if (folder / "base" / "config.json").is_file():
@@ -413,6 +472,15 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     manifests = Path(args.manifests) if args.manifests else None
     if manifests is not None and not manifests.is_dir():
         raise CommandError(f"-f {args.manifests}: not a folder")
+    if args.placement is not None:
+        try:
+            make_policy(args.placement, random.Random(0))
+        except ValueError as exc:
+            raise CommandError(f"--placement: {exc}") from None
+    if args.placement_interval is not None and not args.placement_interval > 0:
+        raise CommandError("--placement-interval must be positive")
+    if not args.heartbeat_ttl > 0:
+        raise CommandError("--heartbeat-ttl must be positive")
     return StackConfig(agents=args.agents, manifests=manifests, model=Path(args.model) if args.model else None,
                        pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
                        redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
@@ -439,6 +507,9 @@ def run(args: argparse.Namespace) -> int:
               f"{stack.router_url}/v1 (logs in {stack.logs}); Ctrl-C stops everything", flush=True)
         while not stopping.wait(1.0):
             stack.check_children()
+            if stack.serving_children_dead():
+                log.error("the router and every agent have exited; stopping (logs in %s)", stack.logs)
+                return 1
     finally:
         log.info("stopping the router, the agents and Redis")
         stack.stop()
