@@ -37,7 +37,7 @@ from loraplex.placement.max_replicas import MaxReplicasPolicy
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
 from loraplex.ports import in_use, listener
-from loraplex.routing.choice import RoutingChoice, pool_routing, routing_error
+from loraplex.routing.choice import RoutingChoice, pool_routing
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
@@ -45,10 +45,10 @@ from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment
 from loraplex_router.main import check_router_args
 from loraplex_router.manifests import (
     ManifestError,
+    ManifestFolder,
     Manifests,
     adapter_record,
     folder_fingerprint,
-    read_folder,
 )
 from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
 
@@ -86,7 +86,9 @@ class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.logs = config.workdir / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # this run's
-        self.manifests = self._read_manifests()
+        self._folder = ManifestFolder(config.manifests) if config.manifests is not None else None
+        self._reported: dict[Path, str] = {}  # bad manifest files, each logged once per distinct error
+        self.manifests = self._read_manifests(at_start=True)
         self.pool = config.pool or (self.manifests.pool.metadata["name"] if self.manifests.pool else "local")
         self.redis: Child | None = None
         self.redis_url = config.redis_url or f"redis://127.0.0.1:{config.redis_port}/0"
@@ -239,10 +241,7 @@ class LocalStack:
 
     def _tick(self) -> None:
         if self.config.manifests is not None and folder_fingerprint(self.config.manifests) != self._fingerprint:
-            try:
-                self.manifests = self._read_manifests()
-            except ManifestError as exc:
-                log.error("not applied: %s", exc)
+            self.manifests = self._read_manifests()
         self.apply_manifests()
         self.controller.step()
 
@@ -256,7 +255,7 @@ class LocalStack:
             try:
                 desired[name] = self._record(name, deployment, path)
             except ManifestError as exc:
-                log.error("not applied: %s", exc)
+                self._report(path, str(exc))
         stored = {a.name: a for a in self.store.adapters()}
         for name, record in desired.items():
             if name not in stored or stored[name].digest != record.digest or stored[name].source != record.source:
@@ -276,16 +275,27 @@ class LocalStack:
             self._records[name] = cached
         return cached[1]
 
-    def _read_manifests(self) -> Manifests:
-        folder = self.config.manifests
-        if folder is None:
+    def _read_manifests(self, at_start: bool = False) -> Manifests:
+        """The good files' manifests. At start a bad file is refused (ManifestError: the pool's settings
+        become flags); later it is reported once per distinct error while the other files keep applying."""
+        if self._folder is None:
             return Manifests()
-        manifests = read_folder(folder)
-        self._fingerprint = folder_fingerprint(folder)
-        error = routing_error(pool_routing(manifests.pool.spec)) if manifests.pool else ""
-        if error:  # the router would refuse it: say so here, and keep the manifests applied before
-            raise ManifestError(f"{folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: routing: {error}")
+        self._fingerprint = folder_fingerprint(self._folder.folder)
+        manifests, errors = self._folder.read()
+        if at_start and errors:
+            more = f" (and {len(errors) - 1} more bad files)" if len(errors) > 1 else ""
+            raise ManifestError(next(iter(errors.values())) + more)
+        for path in set(self._reported) - set(errors):  # fixed (or a record error, found again when applied)
+            del self._reported[path]
+        for path, error in errors.items():
+            self._report(path, error)
         return manifests
+
+    def _report(self, path: Path, error: str) -> None:
+        """Log a bad manifest once, and again only when its error changes."""
+        if self._reported.get(path) != error:
+            self._reported[path] = error
+            log.error("not applied: %s", error)
 
     # ---- configuration ----------------------------------------------------------------------
 
