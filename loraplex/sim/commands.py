@@ -4,7 +4,6 @@ serve|report`. Only argparse is imported here; each command imports its module w
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from loraplex.cli import CommandError, existing_dir, existing_file
@@ -60,12 +59,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def stats_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=existing_file, help="trace file (JSONL)")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    from loraplex.sim.console import emit, show_stats
     from loraplex.sim.trace_stats import trace_stats
 
-    print(json.dumps(trace_stats(_read(args.trace)), indent=2))
+    emit(trace_stats(_read(args.trace)), args.json, show_stats)
     return 0
 
 
@@ -97,6 +98,7 @@ def sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, default=None, help="time-per-output-token SLO in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write per-request results (JSONL, header = workload + summary)")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -122,15 +124,19 @@ def run_sim(args: argparse.Namespace) -> int:
             overrides["scheduler_options"] = parse_scheduler_options(args.scheduler_option)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-    slo = Slo(args.slo_ttft, args.slo_tpot)
+    from loraplex.sim.console import emit, progress, show_sim
+
+    slo = Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft or args.slo_tpot else None  # None: no attainment
     started = time.perf_counter()
     try:
-        results, summary, extra = _simulate(args, trace, profile, overrides, slo)
+        with progress("sim run") as say:
+            say(f"replaying {len(trace.requests)} requests on {args.servers} simulated server(s)")
+            results, summary, extra = _simulate(args, trace, profile, overrides, slo)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     wall = time.perf_counter() - started
     doc = {"summary": summary.to_json(), "wall_s": wall, "speedup": summary.elapsed_s / max(wall, 1e-9)} | extra
-    print(json.dumps(doc, indent=2))
+    emit(doc, args.json, show_sim)
     if args.out:
         write_results(args.out, trace.workload, results, {"profile": profile.name, **doc})
     return 1 if summary.starved else 0
@@ -207,6 +213,7 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="--oracle forest|tree: twin runs to train on")
     p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
     p.add_argument("--out", default=None, help="also write the JSON result here")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
