@@ -50,12 +50,13 @@ from loraplex_router.manifests import (
     adapter_record,
     folder_fingerprint,
 )
-from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
+from loraplex_router.processes import LORAPLEX, Child, answers, wait_http, wait_port
 
 log = logging.getLogger("loraplex.up")
 # Router flags the stack sets itself: it connects the router to its Redis and pool, and waits on its port.
 STACK_ROUTER_FLAGS = ("--redis-url", "--pool", "--port")
 DEFAULT_MODEL_DIR = Path("models/tiny")
+KERNEL_BUILD = "building the fused CPU LoRA kernel"  # the line an agent logs while it compiles (loraplex_kernels)
 VLLM_STARTUP_FACTOR = 4  # vLLM servers take 30-90 s each to start on two cores, all at once
 
 
@@ -148,12 +149,33 @@ class LocalStack:
             self.agents[server_id] = Child(server_id, self._agent_argv(model, server_id, i), self.logs,
                                            env=self._agent_env(i)).start()
         timeout = self.config.startup_timeout_s * (VLLM_STARTUP_FACTOR if self.backend == "vllm" else 1)
-        for server_id, child in self.agents.items():
-            wait_http(self.agent_url(server_id) + "/health", child, timeout)
+        self._wait_agents(timeout)
         self.controller = self.build_controller()
         self.tick()
         self.router = Child("router", self._router_argv(), self.logs).start()
         wait_http(self.router_url + "/ready", self.router, self.config.startup_timeout_s)
+
+    def _wait_agents(self, timeout_s: float) -> None:
+        """Until every agent answers /health, saying what takes the time: the kernel build an agent's log
+        announces (the first start on a machine), else the agents still starting, every 10 s."""
+        deadline, started, said = time.monotonic() + timeout_s, time.monotonic(), time.monotonic()
+        announced = False
+        for server_id, child in self.agents.items():
+            while True:
+                try:
+                    wait_http(self.agent_url(server_id) + "/health", child, 2.0)
+                    break
+                except RuntimeError:
+                    if not child.alive or time.monotonic() > deadline:
+                        raise
+                if not announced and any(KERNEL_BUILD in c.tail(20) for c in self.agents.values()):
+                    announced = True
+                    log.info("the agents are %s", KERNEL_BUILD + ": C++, once per machine and torch version, "
+                             "about a minute on two cores")
+                elif time.monotonic() - said >= 10:
+                    said = time.monotonic()
+                    up = sum(1 for sid in self.agents if answers(self.agent_url(sid) + "/health"))
+                    log.info("%d of %d agents up (%.0f s)", up, len(self.agents), said - started)
 
     def start_background(self) -> None:
         """Run tick() every second in a thread (tests, and run())."""
@@ -314,7 +336,11 @@ class LocalStack:
         pool = self._pool_spec()
         if pool and pool.spec.base_model.source.startswith("file://"):
             source = pool.spec.base_model.source.removeprefix("file://")
-            return Path(source) if source.startswith("/") else (self.config.manifests / source).resolve()
+            folder = Path(source) if source.startswith("/") else (self.config.manifests / source).resolve()
+            if not folder.is_dir():
+                raise CommandError(f"-f {self.config.manifests}: the AdapterPool's baseModel.source is {folder}, "
+                                   "which does not exist (`loraplex make-tiny-model models/tiny` makes the tiny model)")
+            return folder
         return ensure_tiny_model(DEFAULT_MODEL_DIR, self.logs) / "base"
 
     def _agent_argv(self, model: Path, server_id: str, index: int) -> list[str]:
