@@ -32,13 +32,13 @@ def _cases(kind: str):
             flag = action.option_strings[-1] if action.option_strings else action.dest
             name = getattr(action.type, "__name__", "")
             if kind == "port" and action.type is port:
-                yield pytest.param(path, action, ["-5", "0", "99999"], id=f"{' '.join(path)} {flag}")
+                yield pytest.param(path, action, ["-5", "0", "99999"], id=f"port: {' '.join(path)} {flag}")
             elif kind == "number" and name.startswith("non-negative"):
-                yield pytest.param(path, action, ["-3", "nan", "x"], id=f"{' '.join(path)} {flag}")
+                yield pytest.param(path, action, ["-3", "nan", "x"], id=f"number: {' '.join(path)} {flag}")
             elif kind == "choice" and action.choices and not isinstance(action, argparse._SubParsersAction):
-                yield pytest.param(path, action, ["bogus"], id=f"{' '.join(path)} {flag}")
+                yield pytest.param(path, action, ["bogus"], id=f"choice: {' '.join(path)} {flag}")
             elif kind == "path" and action.type in (existing_file, existing_dir):
-                yield pytest.param(path, action, ["/nonexistent/x.yaml"], id=f"{' '.join(path)} {flag}")
+                yield pytest.param(path, action, ["/nonexistent/x.yaml"], id=f"path: {' '.join(path)} {flag}")
 
 
 def _refused(capsys, path, action, value: str) -> None:
@@ -53,26 +53,11 @@ def _refused(capsys, path, action, value: str) -> None:
     assert "Traceback" not in err[0]
 
 
-@pytest.mark.parametrize(("path", "action", "values"), list(_cases("port")))
-def test_ports_outside_1_to_65535_are_refused(capsys, path, action, values):
-    for value in values:
-        _refused(capsys, path, action, value)
+KINDS = ("port", "number", "choice", "path")  # ports 1-65535; non-negative finite numbers; choices; input files
 
 
-@pytest.mark.parametrize(("path", "action", "values"), list(_cases("number")))
-def test_negative_or_non_finite_numbers_are_refused(capsys, path, action, values):
-    for value in values:
-        _refused(capsys, path, action, value)
-
-
-@pytest.mark.parametrize(("path", "action", "values"), list(_cases("choice")))
-def test_unknown_choices_are_refused(capsys, path, action, values):
-    for value in values:
-        _refused(capsys, path, action, value)
-
-
-@pytest.mark.parametrize(("path", "action", "values"), list(_cases("path")))
-def test_missing_input_files_are_refused(capsys, path, action, values):
+@pytest.mark.parametrize(("path", "action", "values"), [case for kind in KINDS for case in _cases(kind)])
+def test_a_bad_value_is_refused_in_one_line_naming_the_flag(capsys, path, action, values):
     for value in values:
         _refused(capsys, path, action, value)
 
@@ -85,7 +70,7 @@ def test_every_numeric_flag_is_checked():
 
 
 def test_the_classes_cover_every_server_command():
-    covered = {case.values[0] for kind in ("port", "number", "choice", "path") for case in _cases(kind)}
+    covered = {case.values[0] for kind in KINDS for case in _cases(kind)}
     for command in [("agent",), ("router",), ("up",), ("operator",), ("sim", "plan"), ("workload", "generate")]:
         assert command in covered
 
