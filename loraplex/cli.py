@@ -13,6 +13,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import NoReturn
 
+from loraplex.spec.errors import one_line
+
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
@@ -125,7 +127,7 @@ class CommandRegistry:
         order = [*COMMAND_ORDER, *dict.fromkeys(path.split()[0] for path, _ in self._commands)]
         rows = sorted(self._commands, key=lambda c: order.index(c[0].split()[0]))
         width = max(len(path) for path, _ in rows) + 2
-        return "commands:\n" + "\n".join(f"  {path:<{width}}{one_line(text)}" for path, text in rows)
+        return "commands:\n" + "\n".join(f"  {path:<{width}}{_help_line(text)}" for path, text in rows)
 
     def _group(self, parent: _Group, name: str) -> _Group:
         if name not in parent.children:
@@ -134,7 +136,7 @@ class CommandRegistry:
         return parent.children[name]
 
 
-def one_line(text: str, width: int = 72) -> str:
+def _help_line(text: str, width: int = 72) -> str:
     """The help's first clause when it says enough, cut to `width` characters."""
     for sep in (": ", "; ", " ("):
         head = text.split(sep)[0]
@@ -188,12 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("LORAPLEX_DEBUG"):
             raise
         where = f"{exc.filename}: " if exc.filename else ""
-        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:  # a bug: still one line; LORAPLEX_DEBUG=1 shows the traceback
         if os.environ.get("LORAPLEX_DEBUG"):
             raise
-        print(f"error: {type(exc).__name__}: {exc} (LORAPLEX_DEBUG=1 shows where)", file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {one_line(exc)} (LORAPLEX_DEBUG=1 shows where)", file=sys.stderr)
         return 1
 
 

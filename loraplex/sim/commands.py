@@ -16,7 +16,14 @@ def _load_spec(args: argparse.Namespace):
     if args.spec:
         import yaml
 
-        doc = yaml.safe_load(Path(args.spec).read_text()) or {}
+        from loraplex.spec.errors import one_line
+
+        try:
+            doc = yaml.safe_load(Path(args.spec).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise CommandError(f"--spec {args.spec}: {one_line(exc)}") from None
+        if not isinstance(doc, dict):
+            raise CommandError(f"--spec {args.spec}: expected a mapping of workload fields")
         doc = doc.get("workload", doc)
     for key, value in (("seed", args.seed), ("duration_s", args.duration), ("rps", args.rps)):
         if value is not None:

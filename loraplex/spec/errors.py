@@ -55,3 +55,11 @@ class ConflictError(LoraplexError):
 class OverloadedError(LoraplexError):
     status = 503
     type = "service_unavailable"
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line; a YAML parse error as its problem and position."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:  # yaml.MarkedYAMLError
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split()) or type(exc).__name__

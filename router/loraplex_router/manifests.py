@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from loraplex.routing.choice import pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.spec.crd import AdapterPool, LoRADeployment, parse_resource
+from loraplex.spec.errors import one_line
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -151,7 +152,7 @@ def _documents(path: Path) -> list[object]:
     try:
         return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
-        raise ManifestError(f"{path}: {exc}") from exc
+        raise ManifestError(f"{path}: {one_line(exc)}") from exc
 
 
 def _add(found: Manifests, resource: AdapterPool | LoRADeployment, path: Path) -> None:

@@ -82,3 +82,14 @@ def test_help_lists_every_command_on_one_line_each(capsys):
     assert len(listed) == len(COMMANDS)
     for path in COMMANDS:
         assert sum(line.split("  ")[1].strip() == " ".join(path) for line in listed if line.strip()) == 1, path
+
+
+def test_a_malformed_input_file_is_one_line_too(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("workload:\n  rps: [1\n")
+    assert main(["workload", "generate", "--spec", str(bad), "--out", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --spec {bad}: ") and "line 3" in err[0], err
+    assert main(["workload", "generate", "--rps", "1", "--out", str(tmp_path / "no" / "t.jsonl")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'no' / 't.jsonl'}: No such file or directory"]
