@@ -131,7 +131,8 @@ class CommandRegistry:
 
     def _group(self, parent: _Group, name: str) -> _Group:
         if name not in parent.children:
-            parser = parent.subparsers.add_parser(name, help=GROUP_HELP.get(name, f"{name} commands"))
+            text = GROUP_HELP.get(name, f"{name} commands")
+            parser = parent.subparsers.add_parser(name, help=text, description=text)
             parent.children[name] = _Group(parser, parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
         return parent.children[name]
 
