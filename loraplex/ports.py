@@ -56,7 +56,7 @@ def listener(port: int) -> str | None:
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             except OSError:
                 cmdline = "?"
-            return f"pid {proc.name}: {cmdline[:120]}"
+            return f"pid {proc.name}: {cmdline if len(cmdline) <= 120 else cmdline[:119] + '…'}"
     return None
 
 

@@ -5,7 +5,6 @@ from the start-up adapters."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +28,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and all(f in lines[0] for f in fragments), lines[0]
     assert "Traceback" not in result.stderr and "startup failed" not in result.stderr
-
-
-@pytest.fixture
-def port_in_use(free_port):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", free_port()))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 def test_a_model_folder_without_a_config_is_one_line(tmp_path, free_port):

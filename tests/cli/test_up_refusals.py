@@ -4,7 +4,6 @@ a port another process listens on (named, with that process), a bad flag value, 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,22 +28,14 @@ def one_line(result: subprocess.CompletedProcess, *fragments: str) -> str:
     return lines[0]
 
 
-@pytest.fixture
-def listening(free_port):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", free_port()))
-        sock.listen()
-        yield sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("flag", ["--port", "--agent-base-port", "--redis-port"])
-def test_a_port_in_use_is_refused_before_anything_starts(tmp_path, free_port, listening, flag):
+def test_a_port_in_use_is_refused_before_anything_starts(tmp_path, free_port, port_in_use, flag):
     ports = {"--port": str(free_port()), "--agent-base-port": str(free_port()), "--redis-port": str(free_port())}
-    ports[flag] = str(listening)
+    ports[flag] = str(port_in_use)
     started = time.monotonic()
     result = loraplex("up", "--agents", "1", "--workdir", str(tmp_path / "w"),
                       *[arg for item in ports.items() for arg in item], cwd=tmp_path)
-    line = one_line(result, f"port {listening}", "in use", f"pid {os.getpid()}")
+    line = one_line(result, f"port {port_in_use}", "in use", f"pid {os.getpid()}")
     assert time.monotonic() - started < 30, line
     assert not (tmp_path / "w").exists() and not (tmp_path / "models").exists()  # nothing started or written
 
