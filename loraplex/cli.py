@@ -165,7 +165,8 @@ def build_registry() -> CommandRegistry:
 
 def _register_unavailable(registry: CommandRegistry, name: str, exc: ImportError) -> None:
     def run(_: argparse.Namespace) -> int:
-        raise CommandError(f"the '{name}' component is not installed ({exc}); install loraplex[{name}]")
+        raise CommandError(f"the '{name}' component is not installed ({exc}); install it with scripts/setup.sh, "
+                           f"or pip install '.[{name}]' in a checkout (Loraplex is not on PyPI)")
 
     registry.add(name, f"(unavailable: {exc.name} is missing)", lambda p: None, run)
 
