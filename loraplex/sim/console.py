@@ -90,8 +90,11 @@ def _percentiles(doc: dict[str, Any], *series: tuple[str, str]):
 
 
 def _brief(baseline: dict[str, Any]) -> str:
-    keys = ("gpus", "servers", "slo_attainment", "max_loras")
-    return ", ".join(f"{k} {baseline[k]}" for k in keys if k in baseline) or json.dumps(baseline)
+    """`N GPUs, SLO attainment 98.0%` (one figure per seed of a random baseline)."""
+    attainment = baseline.get("slo_attainment")
+    figures = attainment if isinstance(attainment, list) else [attainment] if attainment is not None else []
+    text = f"{baseline.get('gpus', '?')} GPUs"
+    return text + (f", SLO attainment {', '.join(f'{a:.1%}' for a in figures)}" if figures else "")
 
 
 def _print(*parts, footer: str = "") -> None:

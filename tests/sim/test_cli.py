@@ -100,3 +100,15 @@ def test_people_get_a_summary_table_and_no_slo_means_no_attainment(tmp_path, cap
     assert "requests" in table and "prompt tokens" in table and not table.lstrip().startswith("{")
     assert main(["workload", "stats", str(trace), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] > 10
+
+
+def test_the_plan_table_puts_the_answer_first(capsys):
+    from loraplex.sim.console import show_plan
+
+    show_plan({"slo_ttft_s": 2.0, "oracle": "twin", "max_loras": 8, "assignment": {},
+               "planner": {"gpus": 3, "a_max": [8, 8, 4], "s_max": [64, 32, 16], "starved_in_twin": False,
+                           "slo_attainment": 0.97, "plan_s": 70.1, "adapters_per_gpu": [8, 8, 4]},
+               "baselines": {"random": {"gpus": 4, "slo_attainment": [0.96, 0.95]}}})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "│" in line]
+    assert "GPUs" in lines[0] and "3" in lines[0]
+    assert any("97.0%" in line for line in lines) and any("4 GPUs" in line and "95.0%" in line for line in lines)
