@@ -122,6 +122,10 @@ class CommandRegistry:
         check_values(sub)
         sub.set_defaults(_run=run)
 
+    def help_parser(self, command: str | None) -> argparse.ArgumentParser:
+        group = self._root.children.get(command or "")
+        return group.parser if group else self.parser
+
     def summary(self) -> str:
         """Every command with one line of help: the ones a new user starts with first, benchmarks last."""
         order = [*COMMAND_ORDER, *dict.fromkeys(path.split()[0] for path, _ in self._commands)]
@@ -178,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0), or a refused flag: its one line is printed already
         return exc.code if isinstance(exc.code, int) else 2
     run = getattr(args, "_run", None)
-    if run is None:
-        registry.parser.print_help()
+    if run is None:  # `loraplex` or a group such as `loraplex sim`: its commands
+        registry.help_parser(args.command).print_help()
         return 2
     try:
         return int(run(args) or 0)
