@@ -531,22 +531,35 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        stack = LocalStack(config_from_args(args)).start()
-    except (ManifestError, RuntimeError) as exc:
+        stack = LocalStack(config_from_args(args))
+    except ManifestError as exc:
         raise CommandError(str(exc)) from exc
-    stopping = threading.Event()
+    signalled = threading.Event()
+
+    def on_signal(*_) -> None:
+        """Ctrl-C, SIGTERM or SIGHUP, at any moment (a start under way included): stop what has started."""
+        if not signalled.is_set():  # a second signal while stopping is ignored
+            signalled.set()
+            raise KeyboardInterrupt
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stopping.set())
+        signal.signal(sig, on_signal)
     try:
+        stack.start()
         stack.start_background()
         print(f"loraplex is up: pool {stack.pool}, {len(stack.agents)} agents, OpenAI endpoint "
               f"{stack.router_url}/v1 (logs in {stack.logs}); Ctrl-C stops everything", flush=True)
-        while not stopping.wait(1.0):
+        while not signalled.wait(1.0):
             stack.check_children()
             if stack.serving_children_dead():
                 log.error("the router and every agent have exited; stopping (logs in %s)", stack.logs)
                 return 1
+    except KeyboardInterrupt:
+        pass
+    except (ManifestError, RuntimeError) as exc:
+        raise CommandError(str(exc)) from exc
     finally:
-        log.info("stopping the router, the agents and Redis")
+        if stack.redis or stack.agents or stack.router:
+            log.info("stopping the router, the agents and Redis")
         stack.stop()
     return 0

@@ -1,9 +1,11 @@
 """`loraplex up` and `loraplex operator` refuse a bad start at once, with one line and a non-zero exit:
-a port another process listens on (named, with that process), a bad flag value, no cluster."""
+a port another process listens on (named, with that process), a bad flag value, no cluster; and a
+signal during start-up stops what has started."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from loraplex_router.local_stack import LocalStack, StackConfig
+
+from loraplex.ports import in_use
 
 LORAPLEX = str(Path(sys.executable).parent / "loraplex")
 
@@ -76,3 +80,26 @@ def test_each_run_logs_in_a_folder_of_its_own(tmp_path):
     third = LocalStack(StackConfig(workdir=tmp_path))
     assert first.logs.parent == tmp_path / "logs" and len({first.logs, third.logs}) == 2
     assert second.logs.parent == first.logs.parent
+
+
+def test_a_signal_during_start_up_stops_what_has_started(tmp_path, tiny_model, free_port):
+    """SIGTERM (or Ctrl-C) while the agents are still starting: `up` stops them and Redis, and leaves no
+    process behind (one would keep its port and refuse the next `loraplex up`)."""
+    router, agent, redis = free_port(), free_port(), free_port()
+    up = subprocess.Popen([LORAPLEX, "up", "--agents", "1", "--model", str(tiny_model.base_dir), "--port", str(router),
+                           "--agent-base-port", str(agent), "--redis-port", str(redis), "--workdir", str(tmp_path)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not in_use(agent) and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert in_use(agent) and in_use(redis) and not in_use(router)  # mid start-up
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    deadline = time.monotonic() + 15
+    while (in_use(agent) or in_use(redis)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not in_use(agent) and not in_use(redis)

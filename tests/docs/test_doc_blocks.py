@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
+from loraplex.ports import in_use, listener
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELLS = {"bash", "sh", "shell"}
@@ -74,7 +76,7 @@ class Servers:
 
     def __init__(self) -> None:
         self.doc: Path | None = None
-        self.running: list[tuple[subprocess.Popen, Path]] = []
+        self.running: list[tuple[subprocess.Popen, int]] = []  # (process, the port it serves)
 
     def enter(self, doc: Path) -> None:
         if doc != self.doc:
@@ -85,22 +87,26 @@ class Servers:
         """Stops the servers started before (one at a time: they share ports), then starts this one."""
         self.stop()
         port, _, path = block.marker[1].partition("/")
+        if in_use(int(port)):  # the answer below must come from this block's server, not a leftover
+            pytest.fail(f"{block.id}: port {port} is in use before the block runs ({listener(int(port))})")
         with log.open("wb") as out:
             process = subprocess.Popen(_argv(block), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                        start_new_session=True)
-        self.running.append((process, log))
+        self.running.append((process, int(port)))
         url = f"http://127.0.0.1:{port}/{path or 'health'}"
         deadline = time.monotonic() + SERVER_START_S
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 pytest.fail(f"{block.id}: exited with {process.returncode} while starting:\n{_tail(log)}")
-            if _answers(url):
+            if _answers(url) and process.poll() is None:
                 return
             time.sleep(0.5)
         pytest.fail(f"{block.id}: {url} did not answer 200 within {SERVER_START_S} s:\n{_tail(log)}")
 
     def stop(self) -> None:
-        for process, _ in reversed(self.running):
+        """SIGTERM, as a terminal's Ctrl-C would; the server must then free its port (nothing left behind)."""
+        running, self.running = self.running, []
+        for process, port in reversed(running):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
                 try:
@@ -108,7 +114,10 @@ class Servers:
                 except subprocess.TimeoutExpired:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
-        self.running.clear()
+            deadline = time.monotonic() + 30
+            while in_use(port) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not in_use(port), f"port {port} is still served after its block stopped: {listener(port)}"
 
 
 @pytest.fixture(scope="module")
