@@ -4,16 +4,77 @@ entry-point group, so the core never imports them."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import NoReturn
 
-from loraplex.spec.errors import CommandError
+from loraplex.spec.errors import CommandError, one_line
 
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`error: argument --port: ...`), no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+port.__name__ = "port (1-65535)"  # argparse names the type in its message: "invalid port (1-65535) value"
+
+
+def _non_negative(kind: type) -> Callable[[str], int | float]:
+    def convert(text: str) -> int | float:
+        value = kind(text)
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(text)
+        return value
+
+    convert.__name__ = f"non-negative {kind.__name__}"
+    return convert
+
+
+def existing_file(text: str) -> str:
+    """A path flag's value that must name a readable file (checked at parse time: the flag is named)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: {'is a folder' if path.is_dir() else 'no such file'}")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path flag's value that must name a folder."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {'not a folder' if path.exists() else 'no such folder'}")
+    return text
+
+
+def check_values(parser: argparse.ArgumentParser) -> None:
+    """Make every numeric flag of `parser` refuse what no command means: a port outside 1-65535 (any
+    flag named *port), a negative, infinite or NaN number. argparse then names the flag in one line."""
+    for action in parser._actions:
+        if action.type not in (int, float):
+            continue
+        if action.dest == "port" or action.dest.endswith("_port"):
+            action.type = port
+        else:
+            action.type = _non_negative(action.type)
 
 
 @dataclass
@@ -23,12 +84,25 @@ class _Group:
     children: dict[str, _Group] = field(default_factory=dict)
 
 
+COMMAND_ORDER = ("up", "agent", "router", "operator", "crds", "make-tiny-model", "workload", "sim", "profile", "bench")
+GROUP_HELP = {
+    "bench": "benchmarks: the engine, router, placement, schedulers, memory policies, reliability",
+    "sim": "the digital twin: replay a trace, plan the fewest GPUs",
+    "workload": "generate a workload trace, or describe one",
+    "crds": "the CustomResourceDefinitions",
+}
+
+
 class CommandRegistry:
     """Builds nested argparse subcommands from paths such as "bench engine"."""
 
     def __init__(self, prog: str = "loraplex") -> None:
-        parser = argparse.ArgumentParser(prog=prog, description="Serve many LoRA adapters of one base LLM.")
-        self._root = _Group(parser, parser.add_subparsers(dest="command", metavar="COMMAND"))
+        parser = Parser(prog=prog, usage=f"{prog} [-h] COMMAND ...", description="Serve many LoRA adapters of one base LLM.",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+        # The root lists every command, one line each (summary()), instead of argparse's groups.
+        self._root = _Group(parser, parser.add_subparsers(dest="command", metavar="COMMAND", prog=prog,
+                                                              help=argparse.SUPPRESS))
+        self._commands: list[tuple[str, str]] = []
 
     @property
     def parser(self) -> argparse.ArgumentParser:
@@ -40,12 +114,26 @@ class CommandRegistry:
         for name in groups:
             group = self._group(group, name)
         sub = group.subparsers.add_parser(leaf, help=help, description=help)
+        self._commands.append((path, help))
         configure(sub)
+        check_values(sub)
         sub.set_defaults(_run=run)
+
+    def help_parser(self, command: str | None) -> argparse.ArgumentParser:
+        group = self._root.children.get(command or "")
+        return group.parser if group else self.parser
+
+    def summary(self) -> str:
+        """Every command with one line of help: the ones a new user starts with first, benchmarks last."""
+        order = [*COMMAND_ORDER, *dict.fromkeys(path.split()[0] for path, _ in self._commands)]
+        rows = sorted(self._commands, key=lambda c: order.index(c[0].split()[0]))
+        width = max(len(path) for path, _ in rows) + 2
+        return "commands:\n" + "\n".join(f"  {path:<{width}}{_help_line(text)}" for path, text in rows)
 
     def _group(self, parent: _Group, name: str) -> _Group:
         if name not in parent.children:
-            parser = parent.subparsers.add_parser(name, help=f"{name} commands")
+            text = GROUP_HELP.get(name, f"{name} commands")
+            parser = parent.subparsers.add_parser(name, help=text, description=text)
             parent.children[name] = _Group(parser, parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND"))
         return parent.children[name]
 
@@ -57,6 +145,16 @@ def run_module(module: str) -> Run:
         return import_module(module).run(args)
 
     return run
+
+
+def _help_line(text: str, width: int = 72) -> str:
+    """The help's first clause when it says enough, cut to `width` characters."""
+    for sep in (": ", "; ", " ("):
+        head = text.split(sep)[0]
+        if len(head) >= 28:
+            text = head
+    text = text[0].upper() + text[1:]
+    return text if len(text) <= width else text[:width].rsplit(" ", 1)[0] + " …"
 
 
 def build_registry() -> CommandRegistry:
@@ -71,22 +169,27 @@ def build_registry() -> CommandRegistry:
             _register_unavailable(registry, entry.name, exc)
             continue
         register(registry)
+    registry.parser.epilog = registry.summary()
     return registry
 
 
 def _register_unavailable(registry: CommandRegistry, name: str, exc: ImportError) -> None:
     def run(_: argparse.Namespace) -> int:
-        raise CommandError(f"the '{name}' component is not installed ({exc}); install loraplex[{name}]")
+        raise CommandError(f"the '{name}' component is not installed ({exc}); install it with scripts/setup.sh, "
+                           f"or pip install '.[{name}]' in a checkout (Loraplex is not on PyPI)")
 
     registry.add(name, f"(unavailable: {exc.name} is missing)", lambda p: None, run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     registry = build_registry()
-    args = registry.parser.parse_args(argv)
+    try:
+        args = registry.parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0), or a refused flag: its one line is printed already
+        return exc.code if isinstance(exc.code, int) else 2
     run = getattr(args, "_run", None)
-    if run is None:
-        registry.parser.print_help()
+    if run is None:  # `loraplex` or a group such as `loraplex sim`: its commands
+        registry.help_parser(args.command).print_help()
         return 2
     try:
         return int(run(args) or 0)
@@ -95,6 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # a file or folder the command needed
+        if os.environ.get("LORAPLEX_DEBUG"):
+            raise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or one_line(exc)}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # a bug: still one line; LORAPLEX_DEBUG=1 shows the traceback
+        if os.environ.get("LORAPLEX_DEBUG"):
+            raise
+        print(f"error: {type(exc).__name__}: {one_line(exc)} (LORAPLEX_DEBUG=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -28,3 +30,53 @@ def _is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Something listens on `port` at `host` (SO_REUSEADDR, as the servers bind: a closed connection
+    waiting out TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def listener(port: int) -> str | None:
+    """'pid N: command line' of the process listening on TCP `port`, when this machine says (Linux /proc,
+    own processes only); None when unknown."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _holds_socket(proc, inodes):
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmdline = "?"
+            return f"pid {proc.name}: {cmdline if len(cmdline) <= 120 else cmdline[:119] + '…'}"
+    return None
+
+
+def _listening_inodes(port: int) -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def _holds_socket(proc: Path, inodes: set[str]) -> bool:
+    try:
+        return any(os.readlink(fd).removeprefix("socket:[").removesuffix("]") in inodes
+                   for fd in (proc / "fd").iterdir())
+    except OSError:
+        return False

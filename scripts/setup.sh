@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a working copy: .venv with PyTorch (the CPU build unless a torch is already there),
-# loraplex installed editable with every component, and redis-server for the local stack (with --dev
+# loraplex installed editable with every component and the openai client the README's examples use
+# (the [all] extra), and redis-server for the local stack (with --dev
 # also prometheus, which the dashboard test runs).
 # Usage: scripts/setup.sh [--dev]     (--dev adds test and lint tools)
 set -euo pipefail

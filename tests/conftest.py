@@ -5,7 +5,7 @@
   Treat it as read-only; copy an adapter folder (shutil.copytree) before changing it.
 - `redis_server`: URL (redis://127.0.0.1:PORT/0) of a real redis-server, no persistence, one per session.
 - `redis_url`: the same URL, with the database flushed before the test.
-- `free_port`: a function returning a free TCP port on 127.0.0.1.
+- `free_port`: a function returning a free TCP port on 127.0.0.1; `port_in_use`: one this process listens on.
 - `start_redis`: `with start_redis(port, workdir) as url:` a redis-server of the test's own.
 """
 
@@ -31,6 +31,15 @@ TINY_MODEL_RANKS = (8, 16, 32, 64)
 @pytest.fixture(scope="session")
 def free_port() -> Callable[[], int]:
     return free_port_now
+
+
+@pytest.fixture
+def port_in_use(free_port) -> Iterator[int]:
+    """A port on 127.0.0.1 that this test process listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
+        sock.listen()
+        yield sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

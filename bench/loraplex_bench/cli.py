@@ -9,7 +9,7 @@ import argparse
 
 from loraplex_agent.cli import add_engine_args
 
-from loraplex.cli import CommandRegistry, run_module
+from loraplex.cli import CommandRegistry, existing_dir, existing_file, run_module
 
 
 def register(registry: CommandRegistry) -> None:
@@ -74,7 +74,7 @@ def _register_cluster(registry: CommandRegistry) -> None:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--trace", required=True, help="trace file (JSONL)")
+    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL)")
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--model", default=None, help="model name for requests without an adapter")
     p.add_argument("--api-key", default=None)
@@ -86,13 +86,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="results files of `bench serve` or `sim run --out`")
+    p.add_argument("results", nargs="+", type=existing_file, help="results files of `bench serve` or `sim run --out`")
     p.add_argument("--plots", default=None, help="folder for CDF and over-time PNGs (needs matplotlib)")
     p.add_argument("--slo-ttft", type=float, default=None)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder; default: a fresh tiny model")
+    p.add_argument("--model", type=existing_dir, default=None, help="model folder; default: a fresh tiny model")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)

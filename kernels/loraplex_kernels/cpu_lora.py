@@ -65,6 +65,9 @@ def toolchain_missing() -> str | None:
     return None
 
 
+BUILDING = ("building the fused CPU LoRA kernel: C++, once per machine and torch version, about a minute on "
+            "two cores")
+
 def extension_name() -> str:
     fingerprint = "\n".join([SOURCE, *CFLAGS, *LDFLAGS, torch.__version__, sys.version, _cpu_fingerprint()])
     return "loraplex_lora_cpu_" + hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
@@ -83,6 +86,7 @@ def _build_or_import() -> ModuleType:
     if library.exists() and not lock.exists():  # built, and no build of it under way
         return _import_library(name, library)
     started = time.perf_counter()
+    log.warning("%s (in %s)", BUILDING, build_dir)  # `loraplex up` relays this line from the agents' logs
     with _ninja_on_path():
         module = load_inline(name, cpp_sources=[SOURCE], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                              build_directory=str(build_dir))

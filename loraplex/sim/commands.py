@@ -4,9 +4,9 @@ serve|report`. Only argparse is imported here; each command imports its module w
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from loraplex.cli import existing_dir, existing_file
 from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 
@@ -18,7 +18,14 @@ def _load_spec(args: argparse.Namespace):
     if args.spec:
         import yaml
 
-        doc = yaml.safe_load(Path(args.spec).read_text()) or {}
+        from loraplex.spec.errors import one_line
+
+        try:
+            doc = yaml.safe_load(Path(args.spec).read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise CommandError(f"--spec {args.spec}: {one_line(exc)}") from None
+        if not isinstance(doc, dict):
+            raise CommandError(f"--spec {args.spec}: expected a mapping of workload fields")
         doc = doc.get("workload", doc)
     for key, value in (("seed", args.seed), ("duration_s", args.duration), ("rps", args.rps)):
         if value is not None:
@@ -32,12 +39,12 @@ def _load_spec(args: argparse.Namespace):
 
 
 def workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default=None, help="workload YAML/JSON (docs/simulator.md); flags override it")
+    p.add_argument("--spec", type=existing_file, default=None, help="workload YAML/JSON (docs/simulator.md); flags override it")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     p.add_argument("--rps", type=float, default=None, help="mean requests per second")
     p.add_argument("--adapters", type=int, default=None, help="number of adapters")
-    p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
+    p.add_argument("--traces-dir", type=existing_dir, default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
 
 
 def generate_args(p: argparse.ArgumentParser) -> None:
@@ -60,13 +67,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def stats_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace file (JSONL)")
+    p.add_argument("trace", type=existing_file, help="trace file (JSONL)")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    from loraplex.sim.console import emit, show_stats
     from loraplex.sim.trace_stats import trace_stats
 
-    print(json.dumps(trace_stats(_read(args.trace)), indent=2))
+    emit(trace_stats(_read(args.trace)), args.json, show_stats)
     return 0
 
 
@@ -80,7 +89,7 @@ def _read(path: str):
 
 
 def sim_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="trace file (JSONL)")
+    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL)")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     p.add_argument("--servers", type=int, default=1, help="servers; more than 1 runs the cluster mode")
     p.add_argument("--placement", default="loraserve", help="cluster: placement policy")
@@ -99,6 +108,7 @@ def sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot", type=float, default=None, help="time-per-output-token SLO in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write per-request results (JSONL, header = workload + summary)")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -124,15 +134,19 @@ def run_sim(args: argparse.Namespace) -> int:
             overrides["scheduler_options"] = parse_scheduler_options(args.scheduler_option)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
-    slo = Slo(args.slo_ttft, args.slo_tpot)
+    from loraplex.sim.console import emit, progress, show_sim
+
+    slo = Slo(args.slo_ttft, args.slo_tpot) if args.slo_ttft or args.slo_tpot else None  # None: no attainment
     started = time.perf_counter()
     try:
-        results, summary, extra = _simulate(args, trace, profile, overrides, slo)
+        with progress("sim run") as say:
+            say(f"replaying {len(trace.requests)} requests on {args.servers} simulated server(s)")
+            results, summary, extra = _simulate(args, trace, profile, overrides, slo)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     wall = time.perf_counter() - started
     doc = {"summary": summary.to_json(), "wall_s": wall, "speedup": summary.elapsed_s / max(wall, 1e-9)} | extra
-    print(json.dumps(doc, indent=2))
+    emit(doc, args.json, show_sim)
     if args.out:
         write_results(args.out, trace.workload, results, {"profile": profile.name, **doc})
     return 1 if summary.starved else 0
@@ -153,7 +167,7 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
 
 
 def plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", required=True, help="trace file (JSONL): the workload to plan for")
+    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL): the workload to plan for")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     add_engine_settings(p, "max_loras", max_loras={"default": None,
                         "help": "adapter slots per server for every policy; the planner's A_max may be lower. Default: "
@@ -177,6 +191,7 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                    help="--oracle forest|tree: twin runs to train on")
     p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
     p.add_argument("--out", default=None, help="also write the JSON result here")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_plan(args: argparse.Namespace) -> int:

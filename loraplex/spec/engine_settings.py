@@ -67,8 +67,8 @@ def _named(name: str, default: str, choices: tuple[str, ...], help: str, descrip
 
 ENGINE_SETTINGS: dict[str, EngineSetting] = {s.name: s for s in (
     _int("max_model_len", None, "default: the model's own limit", "Default: the model's own limit", ge=16),
-    _int("max_lora_rank", 64, "largest adapter rank served (default 64; `loraplex agent`: the largest rank of its "
-         "--adapter folders, 64 without any)", ge=1, le=512),
+    _int("max_lora_rank", 64, "largest adapter rank served (default 64; `loraplex agent`: 64, or the largest rank "
+         "of its --adapter folders if larger). A runtime load above it is refused", ge=1, le=512),
     _int("max_loras", 8, "adapter slots carved out of device memory under --memory-policy lru-static",
          "Adapter slots under memoryPolicy lru-static", ge=1),
     _int("max_num_seqs", 64, "requests in the running batch", ge=1),

@@ -61,3 +61,11 @@ class OverloadedError(LoraplexError):
 class CommandError(Exception):
     """A user-facing failure of a `loraplex` command: printed as `error: <message>`, exit status 2.
     Library code a command runs raises it too, so it lives here, below every layer, not in the CLI."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line; a YAML parse error as its problem and position."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:  # yaml.MarkedYAMLError
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split()) or type(exc).__name__

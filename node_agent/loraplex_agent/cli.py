@@ -7,7 +7,7 @@ import argparse
 import importlib
 import os
 
-from loraplex.cli import CommandRegistry, run_module
+from loraplex.cli import CommandRegistry, existing_dir, run_module
 from loraplex.spec.engine_settings import add_engine_settings
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -68,14 +68,18 @@ def _tiny_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _agent_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--model", type=existing_dir, required=True, help="local Hugging Face model folder")
     p.add_argument("--served-model-name", default=None, help="name of the base model in the API")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                    help="a PEFT adapter folder to load at start (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="bearer key required by the adapter load/unload endpoints (env LORAPLEX_API_KEY)")
+                   help="bearer key required by every /v1 endpoint, inference included (as vLLM's --api-key)")
+    p.add_argument("--admin-api-key", default=os.environ.get("LORAPLEX_API_KEY"), metavar="KEY",
+                   help="bearer key required by the admin endpoints only: adapter load/unload and peer adapter "
+                        "fetches (env LORAPLEX_API_KEY; the operator sets it from agentApiKeySecret). Default: "
+                        "--api-key")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="largest request body; a larger one is answered 413 without being read to the end "
                         f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB: a prompt filling a 128k-token context "
@@ -142,7 +146,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--model", type=existing_dir, required=True, help="local Hugging Face model folder")
     p.add_argument("--adapters", default=None, help="folder of PEFT adapters; default: MODEL/../adapters")
     p.add_argument("--out", default=None, help="write the profile (or the --check table) as JSON here")
     p.add_argument("--name", default=None, help="profile name; default: the --out file's stem")

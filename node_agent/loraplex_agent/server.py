@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import hmac
 import logging
-import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -52,15 +51,20 @@ from loraplex_agent.serving_chat import create_chat_completion
 from loraplex_agent.serving_completions import create_completion
 
 log = logging.getLogger(__name__)
-API_KEY_ENV = "LORAPLEX_API_KEY"
 T = TypeVar("T")
 
 
 @dataclass
 class AgentConfig:
-    api_key: str | None = None  # required by the adapter load/unload endpoints when set
+    api_key: str | None = None  # --api-key: required by every /v1 endpoint when set, as vLLM's
+    admin_api_key: str | None = None  # --admin-api-key: required by the adapter load/unload endpoints only
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded when the app starts
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413 unread
+
+    @property
+    def admin_key(self) -> str | None:
+        """What the admin endpoints (adapter load/unload, peer fetches) require: the admin key, else the API key."""
+        return self.admin_api_key or self.api_key
 
 
 def build_app(engine: AsyncEngine, config: AgentConfig) -> FastAPI:
@@ -85,8 +89,8 @@ def build_app(engine: AsyncEngine, config: AgentConfig) -> FastAPI:
     app.state.ctx = ctx
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     _add_error_handlers(app)
-    _add_openai_routes(app, ctx)
-    _add_adapter_routes(app, ctx, config.api_key)
+    _add_openai_routes(app, ctx, config.api_key, config.admin_key)
+    _add_adapter_routes(app, ctx, config.admin_key)
     _add_ops_routes(app, ctx)
     return app
 
@@ -94,17 +98,24 @@ def build_app(engine: AsyncEngine, config: AgentConfig) -> FastAPI:
 # ---- routes ---------------------------------------------------------------------------------
 
 
-def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/v1/completions", responses={**_answer(CompletionResponse), **_errors(400, 404, 413, 503)})
+def _add_openai_routes(app: FastAPI, ctx: ServingContext, api_key: str | None, admin_key: str | None) -> None:
+    def authenticate(request: Request) -> None:  # a dependency: checked before the body is validated
+        if api_key is not None:  # the admin key is the more trusted one: it serves too
+            _authenticate(request, api_key, admin_key)
+
+    guarded = [Depends(authenticate)]
+
+    @app.post("/v1/completions", responses={**_answer(CompletionResponse), **_errors(400, 401, 404, 413, 503)},
+              dependencies=guarded)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await _until_disconnect(raw, lambda: _respond(create_completion(ctx, body)))
 
-    @app.post("/v1/chat/completions",
-              responses={**_answer(ChatCompletionResponse), **_errors(400, 404, 413, 503)})
+    @app.post("/v1/chat/completions", dependencies=guarded,
+              responses={**_answer(ChatCompletionResponse), **_errors(400, 401, 404, 413, 503)})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _until_disconnect(raw, lambda: _respond(create_chat_completion(ctx, body)))
 
-    @app.get("/v1/models", responses=_errors())
+    @app.get("/v1/models", responses=_errors(401), dependencies=guarded)
     async def models() -> ModelList:
         base = ModelCard(id=ctx.served_model_name, root=ctx.model_path, max_model_len=ctx.max_model_len)
         adapters = [ModelCard(id=name, root=record.path, parent=ctx.served_model_name,
@@ -173,11 +184,13 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _authenticate(request: Request, api_key: str | None) -> None:
-    if api_key is None:
+def _authenticate(request: Request, api_key: str | None, *more: str | None) -> None:
+    """AuthenticationError unless the bearer token is one of the keys (nothing is required without any)."""
+    keys = [key for key in (api_key, *more) if key is not None]
+    if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
         raise AuthenticationError("a valid API key is required: send 'Authorization: Bearer <key>'")
 
 
@@ -356,12 +369,12 @@ def run(args: argparse.Namespace) -> int:
         if args.redis_url:
             check_redis(args.redis_url, args.pool)
         engine = load_engine(args, adapters)
-        config = AgentConfig(api_key=args.api_key or os.environ.get(API_KEY_ENV),
+        config = AgentConfig(api_key=args.api_key, admin_api_key=args.admin_api_key,
                              max_request_bytes=args.max_request_bytes)
         app = build_app(engine, config)
         if args.redis_url:  # pool membership (loraplex_agent.cluster, issue 4)
             from loraplex_agent.cluster.hook import attach_cluster
-            attach_cluster(app, engine, args, config.api_key)
+            attach_cluster(app, engine, args, config.admin_key)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         log.info("serving %s on http://%s:%d", engine.llm.served_model_name, args.host, args.port)
         uvicorn.Server(uvicorn.Config(app, log_level="info")).run(sockets=[sock])
@@ -375,12 +388,14 @@ def check_redis(url: str, pool: str) -> None:
 
 def load_engine(args: argparse.Namespace, adapters: tuple[tuple[str, str], ...]) -> AsyncEngine:
     """The engine with the start-up adapters in it. They are read first, so that without
-    --max-lora-rank the engine is sized for the largest of them."""
+    --max-lora-rank the engine takes the largest of them, at least DEFAULT_MAX_LORA_RANK."""
     from loraplex_agent.llm import LLM
 
     model_config = _load_model(f"{Path(args.model) / 'config.json'}", lambda: ModelConfig.from_dir(args.model))
     loaded = [(path, _read_adapter(name, path, model_config, args)) for name, path in adapters]
-    rank = args.max_lora_rank or max((h.info.rank for _, h in loaded), default=DEFAULT_MAX_LORA_RANK)
+    # Adapters page into the pool by their own rank, so a high limit costs nothing until one is loaded
+    # (vLLM's default of 16 refuses most runtime loads); larger start-up adapters raise it.
+    rank = args.max_lora_rank or max([DEFAULT_MAX_LORA_RANK, *(h.info.rank for _, h in loaded)])
     sized = argparse.Namespace(**{**vars(args), "max_lora_rank": rank})
     llm = _load_model(f"the model from {args.model}", lambda: LLM.from_args(sized))
     for _, host in loaded:

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     priority = args.priority if args.priority is not None else random.SystemRandom().randrange(MAX_PRIORITY)
     namespaces = [ns for ns in (args.namespace or []) if ns]
     peering = args.peering or config.peering
-    deps = build_deps(config)
+    deps = _deps_or_refuse(config)
     if not args.standalone:
         _start_peering(deps, peering, namespaces)
     # kopf makes peering mandatory whenever it is given a peering name: none when standalone.
@@ -62,6 +62,19 @@ def run(args: argparse.Namespace) -> int:
              priority=priority, peering_name=None if args.standalone else peering,
              liveness_endpoint=args.liveness, memo=kopf.Memo(deps=deps))
     return 0
+
+
+def _deps_or_refuse(config: OperatorConfig) -> Deps:
+    """The dependencies, or one line when there is no cluster to talk to (no kubeconfig, none reachable)."""
+    from kubernetes.config import ConfigException
+
+    try:
+        return build_deps(config)
+    except ConfigException as exc:
+        raise CommandError(f"no Kubernetes credentials: not in a pod, and no kubeconfig (KUBECONFIG or "
+                           f"~/.kube/config): {exc}") from None
+    except Exception as exc:  # urllib3 / the client's discovery: the API server did not answer
+        raise CommandError(f"cannot reach the Kubernetes API server: {type(exc).__name__}: {exc}") from None
 
 
 def _start_peering(deps: Deps, peering: str, namespaces: list[str]) -> None:

@@ -12,6 +12,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import Profile
@@ -20,7 +21,7 @@ from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundErr
 from loraplex_router.auth import KeyRing
 from loraplex_router.cli import DEFAULT_MAX_REQUEST_BYTES
 from loraplex_router.demand import DemandCounter
-from loraplex_router.errors import ErrorResponse, RequestTooLargeError, error_response
+from loraplex_router.errors import ErrorDetail, ErrorResponse, RequestTooLargeError, error_response
 from loraplex_router.metrics import RouterMetrics
 from loraplex_router.profiles import ProfileSwitch
 from loraplex_router.proxy import Forward, Proxy, ProxyConfig, prepare_body
@@ -121,7 +122,18 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ready", ready, methods=["GET"], responses=_NOT_READY)
     app.add_api_route("/metrics", prometheus, methods=["GET"])
+    _add_http_error_handler(app)
     return app
+
+
+def _add_http_error_handler(app: FastAPI) -> None:
+    """Unknown routes (404) and wrong methods (405) in the OpenAI error shape, as the agent answers them."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = ErrorResponse(error=ErrorDetail(message=str(exc.detail), type=kind, code=exc.status_code))
+        return JSONResponse(error.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

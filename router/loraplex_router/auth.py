@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from loraplex.spec.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
+from loraplex.spec.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError, one_line
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def load_keys(path: str | Path) -> KeyRing:
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise InvalidRequestError(f"cannot read API key file {path}: {exc}") from exc
+        raise InvalidRequestError(f"cannot read API key file {path}: {one_line(exc)}") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("keys"), list):
         raise InvalidRequestError(f"API key file {path}: expected a mapping with a 'keys' list")
     return KeyRing(_parse_key(item, path) for item in doc["keys"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.cli import CommandRegistry, run_module
+from loraplex.cli import CommandRegistry, existing_dir, existing_file, run_module
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
@@ -39,7 +39,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--base-model", default=None, help="name of the base model in the API; default: the "
                    "name the agents register")
-    p.add_argument("--api-keys", default=None, metavar="FILE", help="YAML/JSON file of API keys with "
+    p.add_argument("--api-keys", type=existing_file, default=None, metavar="FILE", help="YAML/JSON file of API keys with "
                    "per-key adapter lists (see docs/router.md); default: no authentication")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between store polls")
     p.add_argument("--connect-timeout", type=float, default=2.0)
@@ -76,10 +76,10 @@ def _outlier_args(p: argparse.ArgumentParser) -> None:
 
 def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=int, default=3, help="number of agents")
-    p.add_argument("-f", "--file", dest="manifests", default=None, metavar="DIR",
+    p.add_argument("-f", "--file", dest="manifests", type=existing_dir, default=None, metavar="DIR",
                    help="folder of AdapterPool / LoRADeployment YAML, watched for changes; default: one "
                    "deployment per adapter of the model folder (the tiny model's 4)")
-    p.add_argument("--model", default=None, help="base model folder; default: the tiny model in "
+    p.add_argument("--model", type=existing_dir, default=None, help="base model folder; default: the tiny model in "
                    "./models/tiny (made with `loraplex make-tiny-model` if missing)")
     p.add_argument("--pool", default=None, help="pool name; default: the AdapterPool in -f, else 'local'")
     p.add_argument("--port", type=int, default=8080, help="router port")

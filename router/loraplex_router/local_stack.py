@@ -20,10 +20,13 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loraplex.engine.policy_check import engine_error
@@ -32,6 +35,7 @@ from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
 from loraplex.placement.max_replicas import MaxReplicasPolicy
 from loraplex.placement.operating_points import default_operating_points
 from loraplex.placement.policy import make_policy
+from loraplex.ports import in_use, listener
 from loraplex.routing.choice import RoutingChoice, pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
@@ -43,17 +47,18 @@ from loraplex.util.clock import WallClock
 from loraplex_router.main import check_router_args
 from loraplex_router.manifests import (
     ManifestError,
+    ManifestFolder,
     Manifests,
     adapter_record,
     folder_fingerprint,
-    read_folder,
 )
-from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
+from loraplex_router.processes import LORAPLEX, Child, answers, wait_http, wait_port
 
 log = logging.getLogger("loraplex.up")
 # Router flags the stack sets itself: it connects the router to its Redis and pool, and waits on its port.
 STACK_ROUTER_FLAGS = ("--redis-url", "--pool", "--port")
 DEFAULT_MODEL_DIR = Path("models/tiny")
+KERNEL_BUILD = "building the fused CPU LoRA kernel"  # the line an agent logs while it compiles (loraplex_kernels)
 VLLM_STARTUP_FACTOR = 4  # vLLM servers take 30-90 s each to start on two cores, all at once
 
 
@@ -83,8 +88,10 @@ class StackConfig:
 class LocalStack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.logs = config.workdir / "logs"
-        self.manifests = self._read_manifests()
+        self.logs = config.workdir / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # this run's
+        self._folder = ManifestFolder(config.manifests) if config.manifests is not None else None
+        self._reported: dict[Path, str] = {}  # bad manifest files, each logged once per distinct error
+        self.manifests = self._read_manifests(at_start=True)
         self.pool = config.pool or (self.manifests.pool.metadata["name"] if self.manifests.pool else "local")
         self.redis: Child | None = None
         self.redis_url = config.redis_url or f"redis://127.0.0.1:{config.redis_port}/0"
@@ -127,7 +134,11 @@ class LocalStack:
         return self
 
     def _start(self) -> None:
+        self.check_ports()
+        if self.backend == "vllm":
+            check_vllm(self.config.vllm_python)
         self.config.workdir.mkdir(parents=True, exist_ok=True)
+        link_latest(self.logs)
         model = self._base_model()
         if self.config.redis_url is None:
             self.start_redis()
@@ -140,12 +151,33 @@ class LocalStack:
             self.agents[server_id] = Child(server_id, self._agent_argv(model, server_id, i), self.logs,
                                            env=self._agent_env(i)).start()
         timeout = self.config.startup_timeout_s * (VLLM_STARTUP_FACTOR if self.backend == "vllm" else 1)
-        for server_id, child in self.agents.items():
-            wait_http(self.agent_url(server_id) + "/health", child, timeout)
+        self._wait_agents(timeout)
         self.controller = self.build_controller()
         self.tick()
         self.router = Child("router", self._router_argv(), self.logs).start()
         wait_http(self.router_url + "/ready", self.router, self.config.startup_timeout_s)
+
+    def _wait_agents(self, timeout_s: float) -> None:
+        """Until every agent answers /health, saying what takes the time: the kernel build an agent's log
+        announces (the first start on a machine), else the agents still starting, every 10 s."""
+        deadline, started, said = time.monotonic() + timeout_s, time.monotonic(), time.monotonic()
+        announced = False
+        for server_id, child in self.agents.items():
+            while True:
+                try:
+                    wait_http(self.agent_url(server_id) + "/health", child, 2.0)
+                    break
+                except RuntimeError:
+                    if not child.alive or time.monotonic() > deadline:
+                        raise
+                if not announced and any(KERNEL_BUILD in c.tail(20) for c in self.agents.values()):
+                    announced = True
+                    log.info("the agents are %s", KERNEL_BUILD + ": C++, once per machine and torch version, "
+                             "about a minute on two cores")
+                elif time.monotonic() - said >= 10:
+                    said = time.monotonic()
+                    up = sum(1 for sid in self.agents if answers(self.agent_url(sid) + "/health"))
+                    log.info("%d of %d agents up (%.0f s)", up, len(self.agents), said - started)
 
     def start_background(self) -> None:
         """Run tick() every second in a thread (tests, and run())."""
@@ -163,6 +195,31 @@ class LocalStack:
             self.store.close()
         if self.redis is not None:
             self.redis.stop()
+
+    def check_ports(self) -> None:
+        """CommandError naming the first port this stack needs that something listens on already (another
+        `loraplex up`, most often), before anything starts: its health checks would reach the other stack."""
+        for port, what, flag in self.ports():
+            if in_use(port):
+                user = listener(port)
+                raise CommandError(f"port {port} ({what}) is in use{f' by {user}' if user else ''}; is another "
+                                   f"`loraplex up` running? Stop it, or choose another {flag}")
+
+    def ports(self) -> list[tuple[int, str, str]]:
+        """(port, what listens there, the flag that moves it) for every port the stack listens on."""
+        c = self.config
+        found = [(c.router_port, "the router", "--port")]
+        found += [(c.agent_base_port + i, f"agent {i}", "--agent-base-port") for i in range(c.agents)]
+        if self.backend == "vllm":
+            found += [(self.vllm_port(i), f"agent {i}'s vLLM server", "--agent-base-port") for i in range(c.agents)]
+        if c.redis_url is None:
+            found.append((c.redis_port, "redis-server", "--redis-port (or --redis-url)"))
+        return found
+
+    def serving_children_dead(self) -> bool:
+        """The router and every agent have exited: nothing this stack started serves any more."""
+        children = [self.router, *self.agents.values()]
+        return all(child is not None and not child.alive for child in children)
 
     def check_children(self) -> None:
         """Report children that exited (they are not restarted: a local stack is for trying things)."""
@@ -208,10 +265,7 @@ class LocalStack:
 
     def _tick(self) -> None:
         if self.config.manifests is not None and folder_fingerprint(self.config.manifests) != self._fingerprint:
-            try:
-                self.manifests = self._read_manifests()
-            except ManifestError as exc:
-                log.error("not applied: %s", exc)
+            self.manifests = self._read_manifests()
         self.apply_manifests()
         self.controller.step()
 
@@ -225,7 +279,7 @@ class LocalStack:
             try:
                 desired[name] = self._record(name, deployment, path)
             except ManifestError as exc:
-                log.error("not applied: %s", exc)
+                self._report(path, str(exc))
         stored = {a.name: a for a in self.store.adapters()}
         for name, record in desired.items():
             if name not in stored or stored[name].digest != record.digest or stored[name].source != record.source:
@@ -245,16 +299,34 @@ class LocalStack:
             self._records[name] = cached
         return cached[1]
 
-    def _read_manifests(self) -> Manifests:
-        folder = self.config.manifests
-        if folder is None:
+    def _read_manifests(self, at_start: bool = False) -> Manifests:
+        """The good files' manifests. At start a bad file is refused (ManifestError: the pool's settings
+        become flags); later it is reported once per distinct error while the other files keep applying."""
+        if self._folder is None:
             return Manifests()
-        manifests = read_folder(folder)
-        self._fingerprint = folder_fingerprint(folder)
+        self._fingerprint = folder_fingerprint(self._folder.folder)
+        manifests, errors = self._folder.read()
+        if at_start and errors:
+            more = f" (and {len(errors) - 1} more bad files)" if len(errors) > 1 else ""
+            raise ManifestError(next(iter(errors.values())) + more)
+        for path in set(self._reported) - set(errors):  # fixed (or a record error, found again when applied)
+            del self._reported[path]
+        for path, error in errors.items():
+            self._report(path, error)
         error = _pool_error(manifests.pool.spec) if manifests.pool else ""
-        if error:  # the agents or the router would refuse it: say so here, and keep the manifests applied before
-            raise ManifestError(f"{folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: {error}")
+        if error:  # the agents or the router would refuse it: say so, and keep the pool applied before
+            message = f"{self._folder.folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: {error}"
+            if at_start:
+                raise ManifestError(message)
+            self._report(self._folder.folder, message)
+            manifests = replace(manifests, pool=self.manifests.pool)
         return manifests
+
+    def _report(self, path: Path, error: str) -> None:
+        """Log a bad manifest once, and again only when its error changes."""
+        if self._reported.get(path) != error:
+            self._reported[path] = error
+            log.error("not applied: %s", error)
 
     # ---- configuration ----------------------------------------------------------------------
 
@@ -273,7 +345,11 @@ class LocalStack:
         pool = self._pool_spec()
         if pool and pool.spec.base_model.source.startswith("file://"):
             source = pool.spec.base_model.source.removeprefix("file://")
-            return Path(source) if source.startswith("/") else (self.config.manifests / source).resolve()
+            folder = Path(source) if source.startswith("/") else (self.config.manifests / source).resolve()
+            if not folder.is_dir():
+                raise CommandError(f"-f {self.config.manifests}: the AdapterPool's baseModel.source is {folder}, "
+                                   "which does not exist (`loraplex make-tiny-model models/tiny` makes the tiny model)")
+            return folder
         return ensure_tiny_model(DEFAULT_MODEL_DIR, self.logs) / "base"
 
     def _agent_argv(self, model: Path, server_id: str, index: int) -> list[str]:
@@ -365,6 +441,32 @@ def default_manifests(adapters: Path, pool: str) -> Manifests:
     return found
 
 
+def link_latest(logs: Path) -> None:
+    """WORKDIR/logs/latest -> this run's folder (each run writes its own; nothing quotes a stale line)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    latest = logs.parent / "latest"
+    try:
+        if latest.is_symlink():
+            latest.unlink()
+        latest.symlink_to(logs.name, target_is_directory=True)
+    except OSError:  # a folder named latest, or no symlinks here: the run's own folder is still printed
+        pass
+
+
+def check_vllm(vllm_python: str | None) -> None:
+    """CommandError when the interpreter the agents would run vLLM with has no vllm (before anything starts)."""
+    local = Path(".venv-vllm/bin/python")
+    python = vllm_python or os.environ.get("LORAPLEX_VLLM_PYTHON") or (str(local) if local.is_file() else sys.executable)
+    probe = [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"]
+    try:
+        found = subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        found = False
+    if not found:
+        raise CommandError(f"--backend vllm: vLLM is not installed for {python}; run scripts/setup-vllm.sh "
+                           "(it makes .venv-vllm), or pass --vllm-python (docs/vllm.md)")
+
+
 def ensure_tiny_model(folder: Path, logs: Path) -> Path:
     """The tiny model in `folder`, made with `loraplex make-tiny-model` if it is not there yet."""
     if (folder / "base" / "config.json").is_file():
@@ -416,6 +518,15 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     manifests = Path(args.manifests) if args.manifests else None
     if manifests is not None and not manifests.is_dir():
         raise CommandError(f"-f {args.manifests}: not a folder")
+    if args.placement is not None:
+        try:
+            make_policy(args.placement, random.Random(0))
+        except ValueError as exc:
+            raise CommandError(f"--placement: {exc}") from None
+    if args.placement_interval is not None and not args.placement_interval > 0:
+        raise CommandError("--placement-interval must be positive")
+    if not args.heartbeat_ttl > 0:
+        raise CommandError("--heartbeat-ttl must be positive")
     return StackConfig(agents=args.agents, manifests=manifests, model=Path(args.model) if args.model else None,
                        pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
                        redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
@@ -430,19 +541,35 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        stack = LocalStack(config_from_args(args)).start()
-    except (ManifestError, RuntimeError) as exc:
+        stack = LocalStack(config_from_args(args))
+    except ManifestError as exc:
         raise CommandError(str(exc)) from exc
-    stopping = threading.Event()
+    signalled = threading.Event()
+
+    def on_signal(*_) -> None:
+        """Ctrl-C, SIGTERM or SIGHUP, at any moment (a start under way included): stop what has started."""
+        if not signalled.is_set():  # a second signal while stopping is ignored
+            signalled.set()
+            raise KeyboardInterrupt
+
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stopping.set())
+        signal.signal(sig, on_signal)
     try:
+        stack.start()
         stack.start_background()
         print(f"loraplex is up: pool {stack.pool}, {len(stack.agents)} agents, OpenAI endpoint "
               f"{stack.router_url}/v1 (logs in {stack.logs}); Ctrl-C stops everything", flush=True)
-        while not stopping.wait(1.0):
+        while not signalled.wait(1.0):
             stack.check_children()
+            if stack.serving_children_dead():
+                log.error("the router and every agent have exited; stopping (logs in %s)", stack.logs)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    except (ManifestError, RuntimeError) as exc:
+        raise CommandError(str(exc)) from exc
     finally:
-        log.info("stopping the router, the agents and Redis")
+        if stack.redis or stack.agents or stack.router:
+            log.info("stopping the router, the agents and Redis")
         stack.stop()
     return 0

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 import uvicorn
 
+from loraplex.cli import check_values
 from loraplex.routing.choice import RoutingChoice, build_profile
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import Profile, parse_weights
@@ -64,6 +65,7 @@ def check_router_args(argv: list[str]) -> None:
     the flags the stack owns, nor a help page end `loraplex up`."""
     parser = _RefusingParser(prog="loraplex router", allow_abbrev=False, add_help=False)
     add_router_args(parser)
+    check_values(parser)
     settings_from_args(parser.parse_args(argv))
 
 

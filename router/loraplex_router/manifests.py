@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
+from loraplex.routing.choice import pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.spec.crd import AdapterPool, LoRADeployment, parse_resource
+from loraplex.spec.errors import one_line
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -33,21 +36,91 @@ class Manifests:
     deployments: dict[str, tuple[LoRADeployment, Path]] = field(default_factory=dict)  # name -> (obj, file)
 
 
+Resource = AdapterPool | LoRADeployment
+
+
 def read_folder(folder: Path) -> Manifests:
-    """Every *.yaml / *.yml / *.json file in `folder` (not recursive), in name order."""
+    """Every *.yaml / *.yml / *.json file in `folder` (not recursive), in name order; ManifestError
+    for the first bad file (the local stack reads a folder file by file instead: ManifestFolder)."""
     if not folder.is_dir():
         raise ManifestError(f"{folder} is not a folder")
-    found = Manifests()
-    for path in sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml", ".json")):
-        for obj in _documents(path):
-            _add(found, parse_or_explain(obj, path), path)
-    return found
+    manifests, errors = merge({path: parse_file(path) for path in manifest_files(folder)})
+    if errors:
+        raise ManifestError(next(iter(errors.values())))
+    return manifests
+
+
+def manifest_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
 
 
 def folder_fingerprint(folder: Path) -> tuple:
     """Changes whenever a manifest file is added, removed or modified (polled by the local stack)."""
-    return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir()
-                        if p.suffix in (".yaml", ".yml", ".json")))
+    return tuple(sorted((p.name, *_stamp(p)) for p in manifest_files(folder)))
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+def parse_file(path: Path) -> list[Resource]:
+    """The resources of one file; ManifestError, one line naming the file and the field, if any is bad."""
+    resources = [parse_or_explain(obj, path) for obj in _documents(path)]
+    for resource in resources:
+        name = resource.metadata.get("name")
+        if not name:
+            raise ManifestError(f"{path}: {resource.kind} has no metadata.name")
+        error = routing_error(pool_routing(resource.spec)) if isinstance(resource, AdapterPool) else ""
+        if error:  # the router would refuse it: say so here
+            raise ManifestError(f"{path}: AdapterPool {name!r}: routing: {error}")
+    return resources
+
+
+def merge(files: dict[Path, list[Resource]]) -> tuple[Manifests, dict[Path, str]]:
+    """The resources of every file, in the files' order. A file that clashes with an earlier one (a
+    second AdapterPool, a LoRADeployment defined twice) is left out whole: {file: why}."""
+    found, errors = Manifests(), {}
+    for path, resources in files.items():
+        candidate = Manifests(found.pool, dict(found.deployments))
+        try:
+            for resource in resources:
+                _add(candidate, resource, path)
+        except ManifestError as exc:
+            errors[path] = str(exc)
+            continue
+        found = candidate
+    return found, errors
+
+
+class ManifestFolder:
+    """The -f folder read file by file, so that one bad file holds up no other: a file that fails to
+    parse is left out (its last good version stays applied) and listed in `errors`, one line each."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._stamps: dict[Path, tuple[int, int]] = {}
+        self._good: dict[Path, list[Resource]] = {}
+        self._bad: dict[Path, str] = {}
+
+    def read(self) -> tuple[Manifests, dict[Path, str]]:
+        """The manifests of the good files, and {file: one-line error} for the others (re-reading only changed files)."""
+        present = manifest_files(self.folder)
+        for path in present:
+            stamp = _stamp(path)
+            if self._stamps.get(path) == stamp:
+                continue
+            self._stamps[path] = stamp
+            try:
+                self._good[path] = parse_file(path)
+                self._bad.pop(path, None)
+            except ManifestError as exc:
+                self._bad[path] = str(exc)
+        for gone in set(self._stamps) - set(present):
+            for table in (self._stamps, self._good, self._bad):
+                table.pop(gone, None)
+        manifests, clashes = merge({path: self._good[path] for path in present if path in self._good})
+        return manifests, {**self._bad, **clashes}
 
 
 def parse_or_explain(obj: object, path: Path) -> AdapterPool | LoRADeployment:
@@ -55,15 +128,31 @@ def parse_or_explain(obj: object, path: Path) -> AdapterPool | LoRADeployment:
         raise ManifestError(f"{path}: every document must be a mapping")
     try:
         return parse_resource(obj)
+    except ValidationError as exc:
+        raise ManifestError(f"{path}: {_what(obj)}: {_first_error(exc)}") from None
     except ValueError as exc:
-        raise ManifestError(f"{path}: {exc}") from exc
+        raise ManifestError(f"{path}: {exc}") from None
+
+
+def _what(obj: dict) -> str:
+    name = (obj.get("metadata") or {}).get("name") if isinstance(obj.get("metadata"), dict) else None
+    return f"{obj.get('kind')} {name!r}" if name else str(obj.get("kind"))
+
+
+def _first_error(exc: ValidationError) -> str:
+    """pydantic's block as one line: the field's path, what is wrong, and how many more there are."""
+    errors = exc.errors()
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the document"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first['msg']}{more}"
 
 
 def _documents(path: Path) -> list[object]:
     try:
         return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
     except (OSError, yaml.YAMLError) as exc:
-        raise ManifestError(f"{path}: {exc}") from exc
+        raise ManifestError(f"{path}: {one_line(exc)}") from exc
 
 
 def _add(found: Manifests, resource: AdapterPool | LoRADeployment, path: Path) -> None:

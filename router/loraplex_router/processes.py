@@ -62,7 +62,7 @@ class Child:
 
 def wait_http(url: str, child: Child, timeout_s: float) -> None:
     """Until GET url answers 200; fails early, with the child's log, if the child exits."""
-    _wait_for(lambda: _answers(url), child, timeout_s, 0.2, f"answer {url}")
+    _wait_for(lambda: answers(url), child, timeout_s, 0.2, f"answer {url}")
 
 
 def wait_port(port: int, child: Child, timeout_s: float) -> None:
@@ -81,7 +81,8 @@ def _wait_for(ready: Callable[[], bool], child: Child, timeout_s: float, interva
     raise RuntimeError(f"{child.name} did not {what} within {timeout_s:.0f} s:\n{child.tail()}")
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """GET url answers 200 now."""
     try:
         return httpx.get(url, timeout=2.0).status_code == 200
     except httpx.HTTPError:

@@ -67,7 +67,7 @@ def agent(tiny_model, free_port) -> Iterator[Agent]:
               max_lora_rank=64, served_model_name=SERVED_MODEL)
     engine = AsyncEngine(llm)
     adapters = tuple((name, str(tiny_model.adapters[name])) for name in START_ADAPTERS)
-    app = build_app(engine, AgentConfig(api_key=API_KEY, adapters=adapters))
+    app = build_app(engine, AgentConfig(admin_api_key=API_KEY, adapters=adapters))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="agent-under-test", daemon=True)

@@ -61,3 +61,30 @@ def test_edited_replicas_take_effect_at_the_next_placement(tmp_path, tiny_model)
     stack.tick()  # sees the changed folder and applies it; the placement itself is not due yet
     stack.controller.run_once()
     assert len(stack.store.read_table().routes("capped")) == 2
+
+
+def test_a_bad_manifest_is_reported_once_and_holds_up_no_other_file(tmp_path, tiny_model, caplog):
+    """A typo in one LoRADeployment: one line (file, field, what is wrong), logged once and again only when
+    the error changes; a good file added beside it is applied at the next tick."""
+    stack, _ = placed(tmp_path, tiny_model, "replicate-all", {})
+    source = next(iter(tiny_model.adapters.values()))
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {name: typo}\n"
+                   f"spec:\n  pool: tiny\n  adapter: {{source: \"file://{source}\"}}\n"
+                   "  traffic: {expectedTokensPerSecnd: 5}\n")
+    caplog.set_level("ERROR", logger="loraplex.up")
+    for _ in range(3):
+        stack.tick()
+    reported = [r.getMessage() for r in caplog.records]
+    assert len(reported) == 1 and "\n" not in reported[0], reported
+    assert str(bad) in reported[0] and "spec.traffic.expectedTokensPerSecnd" in reported[0]
+    (tmp_path / "good.yaml").write_text(
+        "apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {name: good}\n"
+        f"spec:\n  pool: tiny\n  adapter: {{source: \"file://{source}\"}}\n")
+    stack.tick()
+    assert {"free", "good"} <= {a.name for a in stack.store.adapters()}
+    assert "typo" not in {a.name for a in stack.store.adapters()}
+    assert len(caplog.records) == 1  # the bad file did not change: not reported again
+    bad.write_text(bad.read_text().replace("expectedTokensPerSecnd: 5", "expectedTokensPerSecond: -5"))
+    stack.tick()
+    assert len(caplog.records) == 2 and "expectedTokensPerSecond" in caplog.records[1].getMessage()

@@ -53,7 +53,7 @@ def test_routing_flags_and_router_args_reach_the_router(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("argv", "fragment"), [
     (["--router-arg=--bogus"], "router arguments: unrecognized arguments: --bogus"),
-    (["--router-arg=--ttfb-deadline=-1"], "--ttfb-deadline must be >= 0"),
+    (["--router-arg=--ttfb-deadline=-1"], "argument --ttfb-deadline: invalid non-negative float"),
     (["--router-arg=--max-ejected-fraction=2"], "--max-ejected-fraction must be between 0 and 1"),
     (["--routing-option", "slo=1"], "unknown rank-aware options ['slo']"),
     (["--profile", "fastest"], "unknown routing profile 'fastest'"),
@@ -71,7 +71,8 @@ def test_the_command_says_it_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run([LORAPLEX, "up", "--workdir", str(tmp_path), "--router-arg=--eject-after=-1"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == ["error: --eject-after must be >= 0 (0: never eject)"]
+    assert result.stderr.strip().splitlines() == ["error: router arguments: argument --eject-after: invalid non-negative int "
+                                                  "value: '-1'"]
 
 
 def _write(folder: Path, routing: str) -> None:

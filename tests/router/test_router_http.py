@@ -164,3 +164,12 @@ def test_metrics_are_prometheus_text(router_env):
     assert 'loraplex_router_requests_total{code="200",model="a"} 1.0' in text
     assert 'loraplex_router_tokens_total{kind="completion",model="a"} 2.0' in text
     assert "loraplex_router_routing_table_version 1.0" in text
+
+
+def test_unknown_routes_and_wrong_methods_answer_in_the_openai_error_shape(router_env):
+    url = router_env.router.url
+    for response, status in ((httpx.get(url + "/v1/nope"), 404), (httpx.get(url + "/v1/completions"), 405),
+                             (httpx.delete(url + "/v1/models"), 405)):
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["code"] == status and error["message"] and error["type"]

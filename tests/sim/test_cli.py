@@ -27,7 +27,7 @@ def test_generate_simulate_report(tmp_path, capsys):
     capsys.readouterr()
     out = tmp_path / "sim.jsonl"
     assert main(["sim", "run", "--trace", str(trace), "--profile", "cpu-tiny", "--slo-ttft", "2",
-                 "--out", str(out)]) == 0
+                 "--out", str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["summary"]["finished"] == doc["summary"]["requests"] > 30
     header, results = read_results(out)
@@ -42,7 +42,7 @@ def test_cluster_mode_runs_the_router_and_placement(tmp_path, capsys):
     main(["workload", "generate", "--spec", str(spec), "--rps", "6", "--duration", "40", "--adapters", "16",
           "--out", str(trace)])
     capsys.readouterr()
-    assert main(["sim", "run", "--trace", str(trace), "--servers", "3", "--interval", "15"]) == 0
+    assert main(["sim", "run", "--trace", str(trace), "--servers", "3", "--interval", "15", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["placements"] == 3 and doc["servers"] == 3
     assert sum(doc["requests_per_server"]) == doc["summary"]["requests"]
@@ -52,7 +52,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, capsys):
     assert main(["sim", "run", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
     assert main(["workload", "generate", "--rps", "-1", "--out", str(tmp_path / "x")]) == 2
-    assert "invalid workload" in capsys.readouterr().err
+    assert "argument --rps" in capsys.readouterr().err
     long = tmp_path / "long.jsonl"
     long.write_text('{"trace_version": 1, "workload": {}}\n'
                     '{"request_id": "r", "arrival_s": 0, "adapter": null, "rank": 0, "prompt_len": 3000, "output_len": 9}\n')
@@ -83,3 +83,32 @@ def test_bench_serve_against_a_real_agent(tiny_model, free_port, tmp_path, capsy
         agent.terminate()
         agent.wait(timeout=30)
 
+
+
+def test_people_get_a_summary_table_and_no_slo_means_no_attainment(tmp_path, capsys):
+    trace, spec = tmp_path / "t.jsonl", tmp_path / "spec.yaml"
+    spec.write_text("lengths: {profile: fixed, prompt_len: 32, output_len: 8}\nadapters: {count: 4}\n")
+    assert main(["workload", "generate", "--spec", str(spec), "--rps", "2", "--duration", "20", "--out", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["sim", "run", "--trace", str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["summary"]["slo_attainment"] is None  # no SLO given
+    assert main(["sim", "run", "--trace", str(trace), "--slo-ttft", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "SLO attainment" in table and "TTFT (s)" in table and not table.lstrip().startswith("{")
+    assert main(["workload", "stats", str(trace)]) == 0
+    table = capsys.readouterr().out
+    assert "requests" in table and "prompt tokens" in table and not table.lstrip().startswith("{")
+    assert main(["workload", "stats", str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] > 10
+
+
+def test_the_plan_table_puts_the_answer_first(capsys):
+    from loraplex.sim.console import show_plan
+
+    show_plan({"slo_ttft_s": 2.0, "oracle": "twin", "max_loras": 8, "assignment": {},
+               "planner": {"gpus": 3, "a_max": [8, 8, 4], "s_max": [64, 32, 16], "starved_in_twin": False,
+                           "slo_attainment": 0.97, "plan_s": 70.1, "adapters_per_gpu": [8, 8, 4]},
+               "baselines": {"random": {"gpus": 4, "slo_attainment": [0.96, 0.95]}}})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "│" in line]
+    assert "GPUs" in lines[0] and "3" in lines[0]
+    assert any("97.0%" in line for line in lines) and any("4 GPUs" in line and "95.0%" in line for line in lines)

@@ -62,7 +62,7 @@ def test_plan_command_compares(tmp_path, capsys):
     write_trace(generate(workload(15.0, 40)), trace)
     out = tmp_path / "plan.json"
     assert main(["sim", "plan", "--trace", str(trace), "--profile", "cpu-tiny", "--max-loras", "8", "--compare",
-                 "--random-seeds", "2", "--oracle-duration", "30", "--out", str(out)]) == 0
+                 "--random-seeds", "2", "--oracle-duration", "30", "--out", str(out), "--json"]) == 0
     doc = json.loads(out.read_text())
     assert doc == json.loads(capsys.readouterr().out)
     assert not doc["planner"]["starved_in_twin"] and max(doc["planner"]["a_max"]) <= 8
@@ -81,7 +81,7 @@ def test_plan_command_with_the_distilled_surrogate(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     write_trace(generate(workload(15.0, 40)), trace)
     args = ["sim", "plan", "--trace", str(trace), "--profile", "cpu-tiny", "--max-loras", "8", "--oracle", "tree",
-            "--oracle-duration", "10"]
+            "--oracle-duration", "10", "--json"]
     assert main([*args, "--surrogate-samples", "30"]) in (0, 1)  # 1: the surrogate's plan starved in the twin
     doc = json.loads(capsys.readouterr().out)
     assert doc["oracle"] == "tree" and doc["planner"]["gpus"] >= 1

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from loraplex.latency.profile import Profile, load_profile
+from loraplex.sim.console import emit, progress, show_plan
 from loraplex.sim.metrics import Slo
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.planner.compare import baseline_json, check_plan, compare_baselines, slot_choices
@@ -51,14 +52,27 @@ def run(args: argparse.Namespace) -> int:
         choices = slot_choices(profile, max(trace.adapters().values())) if searched else [slots]
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    with progress("sim plan") as say:
+        doc, starved = _run(args, trace, profile, searched, slots, choices, say)
+    text = json.dumps(doc, indent=2)
+    emit(doc, args.json, show_plan)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 1 if starved else 0
+
+
+def _run(args, trace, profile: Profile, searched: bool, slots: int, choices, say) -> tuple[dict, bool]:
+    """The plan's document, and whether the plan starves in the twin."""
     started = time.perf_counter()
     try:
         summary = WorkloadSummary.from_trace(trace)
+        say(f"the planner asks the {args.oracle} how many adapters a GPU serves ({args.oracle_duration:g} s runs)")
         result = plan(summary, profile, make_oracle(args, profile, summary), max_slots=None if searched else slots)
     except PlanError as exc:
         raise CommandError(str(exc)) from None
     plan_s = time.perf_counter() - started
     slo = Slo(args.slo_ttft)
+    say(f"checking the plan ({result.num_gpus} GPUs) in the twin on the whole trace")
     verdict = check_plan(result, trace, profile, slo)
     ranks = trace.adapters()
     doc = {"workload": trace.workload, "profile": profile.name, "max_loras": "searched" if searched else slots,
@@ -72,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         points = operating_points(profile, sorted(set(trace.adapters().values())), trace,
                                   profile.engine_config(max_loras=slots))
+        say("--compare: finding the servers replicate-all and random need at the same SLO")
         target = min(args.slo_target, verdict.slo_attainment)
         doc["slo_target"] = target
         doc["server_floor"] = server_floor(summary, profile, slo, target, args.oracle_duration)
@@ -83,8 +98,4 @@ def run(args: argparse.Namespace) -> int:
         doc["baselines"] = {b.policy: baseline_json(b) for b in baselines}
     if not args.compare or args.assignment:
         doc["assignment"] = result.assignment
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 1 if verdict.starved else 0
+    return doc, verdict.starved

@@ -55,7 +55,6 @@ from loraplex_agent.vllm_backend.engine import VllmEngine
 from loraplex_agent.vllm_backend.process import VllmProcess
 
 log = logging.getLogger("loraplex.agent.vllm")
-API_KEY_ENV = "LORAPLEX_API_KEY"
 DEFAULT_MAX_LORA_RANK = 64
 STARTUP_TIMEOUT_S = 900.0  # a large model on a cold disk; the tiny one takes 30-90 s on two cores
 WATCH_INTERVAL_S = 1.0
@@ -81,6 +80,9 @@ def options_from_args(args: argparse.Namespace) -> VllmOptions:
     if args.adapter:
         raise CommandError("--adapter is not used with --backend vllm: adapters come from the pool's "
                            "LoRADeployments")
+    if args.api_key:
+        raise CommandError("--api-key is not used with --backend vllm: inference is the vLLM server's own (the "
+                           "router's --api-keys guard it in a pool); --admin-api-key guards the agent's endpoints")
     rank = args.max_lora_rank or DEFAULT_MAX_LORA_RANK
     if rank not in VLLM_LORA_RANKS:
         raise CommandError(f"--max-lora-rank {rank}: vLLM accepts one of {', '.join(map(str, VLLM_LORA_RANKS))}")
@@ -264,7 +266,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    return args.api_key or os.environ.get(API_KEY_ENV)
+    """The admin key of the sidecar's own endpoints (--admin-api-key, env LORAPLEX_API_KEY). vLLM itself
+    serves inference: --api-key would not reach it, so it is refused (`_launch`)."""
+    return args.admin_api_key
 
 
 def _start_child(options: VllmOptions) -> VllmProcess | None:
