@@ -9,7 +9,8 @@ import argparse
 
 from loraplex_agent.cli import add_engine_args
 
-from loraplex.cli import CommandRegistry, existing_dir, existing_file, run_module
+from loraplex.cli import CommandRegistry, run_module
+from loraplex.util.args import existing_dir, existing_file
 
 
 def register(registry: CommandRegistry) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loraplex.cli import existing_dir, existing_file
 from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
+from loraplex.util.args import existing_dir, existing_file
 
 
 def _load_spec(args: argparse.Namespace):

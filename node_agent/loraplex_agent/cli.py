@@ -7,8 +7,9 @@ import argparse
 import importlib
 import os
 
-from loraplex.cli import CommandRegistry, existing_dir, run_module
+from loraplex.cli import CommandRegistry, run_module
 from loraplex.spec.engine_settings import add_engine_settings
+from loraplex.util.args import existing_dir
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)

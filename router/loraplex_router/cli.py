@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.cli import CommandRegistry, existing_dir, existing_file, run_module
+from loraplex.cli import CommandRegistry, run_module
+from loraplex.util.args import existing_dir, existing_file
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 

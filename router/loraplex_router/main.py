@@ -12,13 +12,13 @@ from typing import NoReturn
 
 import uvicorn
 
-from loraplex.cli import check_values
 from loraplex.routing.choice import RoutingChoice, build_profile
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import Profile, parse_weights
 from loraplex.routing.rank_aware import parse_options
 from loraplex.spec.errors import CommandError, LoraplexError
 from loraplex.startup import listen_socket, open_store
+from loraplex.util.args import check_values
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing, load_keys
 from loraplex_router.cli import add_router_args

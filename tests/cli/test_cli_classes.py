@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from loraplex.cli import build_registry, existing_dir, existing_file, main, port
+from loraplex.cli import build_registry, main
+from loraplex.util.args import existing_dir, existing_file, port
 
 REGISTRY = build_registry()
 

@@ -1,0 +1,59 @@
+"""Types of command-line values that every `loraplex` command shares: a port, a non-negative number,
+a file or folder that must exist. argparse then refuses a bad value in one line naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+port.__name__ = "port (1-65535)"  # argparse names the type in its message: "invalid port (1-65535) value"
+
+
+def _non_negative(kind: type) -> Callable[[str], int | float]:
+    def convert(text: str) -> int | float:
+        value = kind(text)
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(text)
+        return value
+
+    convert.__name__ = f"non-negative {kind.__name__}"
+    return convert
+
+
+def existing_file(text: str) -> str:
+    """A path flag's value that must name a readable file (checked at parse time: the flag is named)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: {'is a folder' if path.is_dir() else 'no such file'}")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path flag's value that must name a folder."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {'not a folder' if path.exists() else 'no such folder'}")
+    return text
+
+
+def check_values(parser: argparse.ArgumentParser) -> None:
+    """Make every numeric flag of `parser` refuse what no command means: a port outside 1-65535 (any
+    flag named *port), a negative, infinite or NaN number. argparse then names the flag in one line."""
+    for action in parser._actions:
+        if action.type not in (int, float):
+            continue
+        if action.dest == "port" or action.dest.endswith("_port"):
+            action.type = port
+        else:
+            action.type = _non_negative(action.type)
