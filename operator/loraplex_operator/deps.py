@@ -84,14 +84,13 @@ class Deps:
                                    min_replicas=lambda: routes.bounds.minimum, server_filter=routes.serving)
 
     def forget(self, pool: str) -> None:
-        """Drops what this operator keeps for a deleted pool."""
+        """Drops what this operator keeps for a deleted pool. Its store is not closed here: handlers of
+        the pool's adapters may still be using it (closing it under them broke their Redis reads), and
+        its connections close when the last of them lets it go."""
         self.planner.forget(pool)
         with self._lock:
             self._routes.pop(pool, None)
-            store = self._stores.pop(pool, None)
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
+            self._stores.pop(pool, None)
 
     def close(self) -> None:
         self.planner.close()
