@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 import yaml
-from kube import kubectl, wait_for
+from kube import kubectl
+from waiting import wait_for
 
 pytestmark = [pytest.mark.cluster,
               pytest.mark.skipif(not os.environ.get("KUBECONFIG"), reason="needs KUBECONFIG (a real cluster)")]

@@ -40,9 +40,10 @@ import openai
 import pytest
 import yaml
 from dashboard import check_panel, queries
-from kube import GROUP, get_json, kubectl, wait_for
+from kube import GROUP, get_json, kubectl
 from prometheus import Prometheus, Target, scrape_jobs
 from tools import require_module, require_tool
+from waiting import wait_for
 
 from loraplex.ports import free_port
 
