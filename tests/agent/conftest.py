@@ -15,6 +15,7 @@ import httpx
 import pytest
 import uvicorn
 from openai import OpenAI
+from waiting import wait_for
 
 API_KEY = "test-admin-key"
 SERVED_MODEL = "tiny-base"
@@ -47,13 +48,7 @@ class Agent:
     @staticmethod
     def wait_for(condition, what: str, timeout_s: float = 60.0, interval_s: float = 0.05):
         """Poll `condition` until it returns something truthy; the bound only guards against a hang."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = condition()
-            if value:
-                return value
-            time.sleep(interval_s)
-        raise AssertionError(f"timed out waiting for {what}")
+        return wait_for(what, condition, timeout_s, interval_s)
 
 
 @pytest.fixture(scope="session")

@@ -27,11 +27,10 @@ import os
 import shlex
 import socket
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import pytest
 import yaml
 from dashboard import check_panel, queries
 from kube import GROUP, get_json, kubectl
+from loraplex_bench.closed_loop import ClosedLoop
 from prometheus import Prometheus, Target, scrape_jobs
 from tools import require_module, require_tool
 from waiting import wait_for
@@ -148,45 +148,29 @@ class Outcomes:
     broken_streams: list[str] = field(default_factory=list)
 
 
-class Traffic:
-    """Clients sending plain and streamed completions to every adapter until stopped."""
+class Traffic(ClosedLoop):
+    """Clients sending plain and streamed completions to every adapter until the `with` block ends."""
 
     def __init__(self, url: str, clients: int = 3) -> None:
-        self.url, self.outcomes, self._stop = url, Outcomes(), threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(clients)]
+        super().__init__(clients)
+        self.url, self.outcomes = url, Outcomes()
 
-    def __enter__(self) -> Traffic:
-        for thread in self._threads:
-            thread.start()
-        return self
+    def session(self) -> AbstractContextManager[openai.OpenAI]:
+        return nullcontext(_client(self.url))
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(180)
-
-    def _loop(self, index: int) -> None:
-        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        n = index
-        while not self._stop.is_set():
-            model, n = ADAPTERS[n % len(ADAPTERS)], n + 1
-            self._one(client, model, stream=n % 2 == 0)
-
-    def _one(self, client: openai.OpenAI, model: str, stream: bool) -> None:
-        started = False
+    def send(self, session: openai.OpenAI, i: int) -> None:
+        model, stream, started = ADAPTERS[i % len(ADAPTERS)], i % 2 == 0, False
         try:
             if stream:
-                for _chunk in client.completions.create(model=model, prompt="def f(x):", max_tokens=16,
-                                                        stream=True):
+                for _chunk in session.completions.create(model=model, prompt="def f(x):", max_tokens=16, stream=True):
                     started = True
             else:
-                client.completions.create(model=model, prompt="def f(x):", max_tokens=16)
+                session.completions.create(model=model, prompt="def f(x):", max_tokens=16)
         except openai.OpenAIError as exc:
-            with self._lock:
+            with self.lock:
                 (self.outcomes.broken_streams if started else self.outcomes.lost).append(f"{model}: {exc}")
             return
-        with self._lock:
+        with self.lock:
             self.outcomes.ok += 1
 
 
