@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from typing import NoReturn
 
 from loraplex.spec.errors import CommandError, one_line
-from loraplex.util.args import check_values
+from loraplex.util.args import RefusingParser, check_values
 
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -52,6 +52,7 @@ class CommandRegistry:
         self._root = _Group(parser, parser.add_subparsers(dest="command", metavar="COMMAND", prog=prog,
                                                               help=argparse.SUPPRESS))
         self._commands: list[tuple[str, str]] = []
+        self._configures: dict[str, Configure] = {}
 
     @property
     def parser(self) -> argparse.ArgumentParser:
@@ -64,9 +65,24 @@ class CommandRegistry:
             group = self._group(group, name)
         sub = group.subparsers.add_parser(leaf, help=help, description=help)
         self._commands.append((path, help))
+        self._configures[path] = configure
         configure(sub)
         check_values(sub)
         sub.set_defaults(_run=run)
+
+    def check_args(self, path: str, argv: Sequence[str]) -> argparse.Namespace:
+        """`argv` parsed as `loraplex <path>` parses it, without running the command: CommandError (one
+        line naming the flag) for what it would refuse. Its required flags are not required here: the
+        caller checking them (`loraplex up` for --agent-arg) passes those itself."""
+        parser = RefusingParser(prog=f"loraplex {path}")
+        self._configures[path](parser)
+        check_values(parser)
+        for action in parser._actions:
+            action.required = False
+        try:
+            return parser.parse_args(argv)
+        except ValueError as exc:
+            raise CommandError(f"{path} arguments: {exc}") from None
 
     def help_parser(self, command: str | None) -> argparse.ArgumentParser:
         group = self._root.children.get(command or "")

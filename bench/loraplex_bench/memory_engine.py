@@ -42,6 +42,7 @@ from loraplex.sim.sessions import (
 )
 from loraplex.spec.errors import CommandError
 from loraplex_bench.memory_compare import PolicyResult, SideReport, Variant, session_spec
+from loraplex_bench.output import stage
 
 if TYPE_CHECKING:
     from loraplex_agent.llm import LLM
@@ -75,14 +76,14 @@ def run_engine(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
         base_dir = make_tiny_model(Path(tmp) / "tiny", num_adapters=0, seed=args.seed).base_dir
         config = ModelConfig.from_dir(base_dir)
         workload = make_sessions(session_spec(args, "engine", config.max_position_embeddings))
-        print(f"engine: writing {len(workload.adapters)} adapters ...", flush=True)
+        stage(f"engine: writing {len(workload.adapters)} adapters ...")
         adapters = _write_adapters(base_dir, workload, Path(tmp) / "adapters", args.seed)
         kv_token, per_rank = model_bytes(config)
         num_blocks = args.engine_num_blocks or scaled_pool(reference, kv_token, per_rank)
         gbps, calibration = calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
         report = SideReport("engine", _settings(args, reference, workload, num_blocks, gbps, calibration))
         for variant in chosen:
-            print(f"engine: {variant.name} ...", flush=True)
+            stage(f"engine: {variant.name} ...")
             summary = _run_policy(args, base_dir, adapters, workload, variant, num_blocks, gbps, config.vocab_size)
             report.results.append(PolicyResult(variant.name, variant.policy, variant.prefix_cache, summary))
     return report

@@ -19,6 +19,7 @@ from loraplex.sim.metrics import Slo, Summary
 from loraplex.sim.operating_points import HEADROOM, operating_points
 from loraplex.sim.rank_skew import SkewedWorkload
 from loraplex.sim.trace import Trace
+from loraplex_bench.report import Series, slug
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,16 @@ def _ideal_cluster_rps(servers: int, points: OperatingPoints, sample: Trace) -> 
 
 def ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
+
+
+def search_series(name: str, title: str, searches: dict[str, Search],
+                  metrics: Sequence[tuple[str, str]]) -> list[Series]:
+    """A figure per (probe field, axis label) of `metrics`: its value at each rate probed, a line per
+    contender (the `searches`' keys)."""
+    return [Series(f"{name}-{slug(metric)}-vs-rps", f"{title}: {label}",
+                   "offered load (req/s)", label,
+                   {key: [(p.rps, getattr(p, metric)) for p in search.probes if getattr(p, metric) is not None]
+                    for key, search in searches.items()}) for metric, label in metrics]
 
 
 def format_table(results: Sequence[WorkloadResult], contenders: Sequence[Contender]) -> str:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
+from loraplex_bench.output import add_plots_arg, stage
+from loraplex_bench.report import plot_series
 
 WORKLOADS = ("uniform", "power", "exponential", "shifting_skew")
 
@@ -42,6 +45,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
     p.add_argument("--out", default=None, help="write every probe and the table as JSON")
+    add_plots_arg(p, "P95 TTFT at each rate probed, per placement policy, for each workload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     for workload in workloads:
         try:
             results.append(pc.compare_workload(setup, workload, contenders, slo, args.rel_tol,
-                                               progress=lambda line: print(line, flush=True)))
+                                               progress=stage))
         except FileNotFoundError as exc:
             raise CommandError(str(exc)) from None
     table = pc.format_table(results, contenders)
@@ -62,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
           f"{_rank_note(setup)}\n{table}\nwall time {time.perf_counter() - started:.0f} s")
     if args.out:
         _write(args.out, results, table, {k: v for k, v in vars(args).items() if not callable(v)})
+    if args.plots:
+        plot_series([one for r in results for one in pc.search_series(
+            f"placement-twin-{r.workload.rank_skew.mode}", f"placement, {r.workload.rank_skew.mode} ranks",
+            r.searches, [("p95_ttft_s", "P95 TTFT (s)")])], Path(args.plots))
     return 0
 
 

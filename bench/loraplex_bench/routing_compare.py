@@ -48,8 +48,9 @@ from loraplex.sim.rank_skew import RANK_MODES, RankSkew, SkewedWorkload
 from loraplex.sim.trace import Trace
 from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
-from loraplex_bench.output import write_bench_json
-from loraplex_bench.placement_compare import Probe, Search, bisect_rate, ratio
+from loraplex_bench.output import add_plots_arg, stage, write_bench_json
+from loraplex_bench.placement_compare import Probe, Search, bisect_rate, ratio, search_series
+from loraplex_bench.report import Series, plot_series
 
 BASELINE = "loraserve"
 OURS = "rank-aware"
@@ -267,6 +268,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces-dir", default=None, help="folder of the Azure 2023 CSVs (default: the shipped ones)")
     p.add_argument("--json", default=None, metavar="PATH", help="write every probe and the tables as JSON here")
+    add_plots_arg(p, "P95 TBT, P95 TTFT and SLO attainment at each rate probed, per routing, for each workload "
+                  "and placement")
 
 
 def build(args: argparse.Namespace) -> tuple[RoutingSetup, list[SkewedWorkload]]:
@@ -305,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     for workload in workloads:
         try:
             results.append(compare_workload(setup, workload, args.placements, args.routings, args.rel_tol,
-                                            progress=lambda line: print(line, flush=True)))
+                                            progress=stage))
         except FileNotFoundError as exc:
             raise CommandError(str(exc)) from None
     table, detail = format_table(results, args.routings), format_at_rates(results, args.routings)
@@ -319,4 +322,17 @@ def run(args: argparse.Namespace) -> int:
                 {"workload": r.workload.header(None), "operating_points": r.operating_points.tokens_per_second,
                  "avg_output_tokens": r.avg_output_tokens,
                  "placements": [asdict(p) for p in r.placements]} for r in results]})
+    if args.plots:
+        plot_series([one for r in results for one in routing_series(r)], Path(args.plots))
     return 0
+
+
+ROUTING_METRICS = (("p95_tbt_s", "P95 TBT (s)"), ("p95_ttft_s", "P95 TTFT (s)"),
+                   ("slo_attainment", "SLO attainment (fraction)"))
+
+
+def routing_series(result: WorkloadResult) -> list[Series]:
+    mode = result.workload.rank_skew.mode
+    return [one for placed in result.placements for one in search_series(
+        f"routing-{mode}-{placed.placement}", f"routing, {mode} ranks, {placed.placement} placement",
+        placed.searches, ROUTING_METRICS)]

@@ -78,7 +78,8 @@ from loraplex.spec.adapter import AdapterId
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import ManualClock
 from loraplex_bench.memory_compare import add_memory_args
-from loraplex_bench.output import write_bench_json
+from loraplex_bench.output import add_plots_arg, stage, write_bench_json
+from loraplex_bench.report import Series, group_points, plot_series, slug
 
 BASELINE = "fifo"
 DEFAULT_SCHEDULERS = ("chameleon", "fifo", "sjf", "vtc")
@@ -353,7 +354,7 @@ def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float]
 
 
 def _at_load(block: Block, run_at: RunAt, scheduler: str, load: float) -> RunResult:
-    print(f"{block.side} ({block.memory_policy}): {scheduler} at {load:.3g} x saturation ...", flush=True)
+    stage(f"{block.side} ({block.memory_policy}): {scheduler} at {load:.3g} x saturation ...")
     result = run_at(scheduler, load * block.saturation_rps)
     result.load = load
     return result
@@ -423,6 +424,8 @@ def _widen(lo: float | None, hi: float | None, meets: Callable[[float], bool]) -
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--side", choices=["twin", "engine", "both"], default="both")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
+    add_plots_arg(p, "TTFT p99, TBT p50, throughput, goodput and SLO attainment against the load, per scheduler, "
+                  "for each side and memory policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedulers", default=",".join(DEFAULT_SCHEDULERS), help="comma-separated; fifo is required")
     p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of FIFO's saturation rate")
@@ -618,7 +621,7 @@ class TwinSide:
         """The SLO (from FIFO unloaded) and FIFO's saturation rate."""
         core, _, ids = self.engine(BASELINE, trace)
         set_slo(block, core, trace.requests[:self.args.unloaded_requests], ids, sim_prompt, self.args)
-        print(f"twin ({self.policy}): FIFO's saturation rate ...", flush=True)
+        stage(f"twin ({self.policy}): FIFO's saturation rate ...")
         with cyclic_gc_paused():  # FIFO never reads max_tokens, so simulate_server's exact ones serve
             block.saturation_rps = saturation_rps(self.profile, lambda rps: at_rate(trace, rps), self.config(BASELINE))
         block.saturation_method = "bisection: the highest rate whose window throughput is >= 90% of the offered"
@@ -703,7 +706,22 @@ def run(args: argparse.Namespace) -> int:
         print_block(block)
     if args.json:
         write_json(Path(args.json), args, blocks)
+    if args.plots:
+        plot_series([one for block in blocks for one in block_series(block)], Path(args.plots))
     return 0
+
+
+BLOCK_METRICS = (("ttft_p99_s", "TTFT p99 (s)"), ("tbt_p50_s", "TBT p50 (s)"),
+                 ("throughput_tokens_per_s", "throughput (tokens/s)"), ("goodput_tokens_per_s", "goodput (tokens/s)"),
+                 ("slo_attainment", "SLO attainment (fraction)"))
+
+
+def block_series(block: Block) -> list[Series]:
+    """A figure per metric of one side and memory policy: the metric against the load, a line per scheduler."""
+    where = f"{block.side}-{block.memory_policy}"
+    return [Series(f"schedulers-{where}-{slug(metric)}-vs-load",
+                   f"{block.side} ({block.memory_policy}): {label}", "load (x FIFO's saturation rate)", label,
+                   group_points(block.runs, "scheduler", "load", metric)) for metric, label in BLOCK_METRICS]
 
 
 def _engine_side() -> Callable[[argparse.Namespace], list[Block]]:

@@ -35,6 +35,7 @@ from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId
 from loraplex.spec.errors import CommandError
 from loraplex_bench import memory_engine
+from loraplex_bench.output import stage
 from loraplex_bench.scheduler_compare import (
     BASELINE,
     Block,
@@ -71,7 +72,7 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
         base_dir = make_tiny_model(Path(tmp) / "tiny", num_adapters=0, seed=args.seed).base_dir
         config = ModelConfig.from_dir(base_dir)
         trace = unit_trace(trace_spec(args, "engine", config.max_position_embeddings), args.traces_dir)
-        print(f"engine: writing {len(trace.adapters())} adapters ...", flush=True)
+        stage(f"engine: writing {len(trace.adapters())} adapters ...")
         adapters = _write_adapters(base_dir, trace.adapters(), Path(tmp) / "adapters", args.seed)
         kv_token, per_rank = memory_engine.model_bytes(config)
         num_blocks = args.engine_num_blocks or memory_engine.scaled_pool(reference, kv_token, per_rank)
@@ -157,7 +158,7 @@ class EngineSide:
         if self.args.engine_saturation_rps:
             block.saturation_rps, block.saturation_method = self.args.engine_saturation_rps, "given"
             return
-        print(f"engine ({block.memory_policy}): FIFO's saturation rate (a burst of the trace) ...", flush=True)
+        stage(f"engine ({block.memory_policy}): FIFO's saturation rate (a burst of the trace) ...")
         burst = Trace([replace(r, arrival_s=0.0) for r in trace.requests], dict(trace.workload))
         llm, ids = self.llm(BASELINE, baseline)
         log = drive(llm.core, burst, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens, self.vocab_size)

@@ -28,7 +28,9 @@ from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
 
 from loraplex.ports import free_port_block
 from loraplex.spec.errors import CommandError
+from loraplex_bench.output import stage
 from loraplex_bench.reliability import machine
+from loraplex_bench.report import Series, plot_series
 from loraplex_bench.rss import RssSampler
 
 END_SAMPLES = 5  # the end's RSS: the mean of this many last samples
@@ -46,7 +48,16 @@ def run(args: argparse.Namespace) -> int:
     print(_report_text(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.plots:
+        plot_series([rss_series(report["samples_kib"])], Path(args.plots))
     return 0
+
+
+def rss_series(samples: list[dict]) -> Series:
+    """RSS against the time since traffic began, a line per process (a sample it missed is left out)."""
+    names = [name for name in (samples[0] if samples else {}) if name != "t"]
+    return Series("soak-rss-vs-time", "resident memory under traffic", "time (s)", "RSS (MiB)",
+                  {name: [(s["t"], s[name] / 1024) for s in samples if s.get(name) is not None] for name in names})
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -105,7 +116,7 @@ def _keep_running(seconds: float, stack: LocalStack, traffic, rss: RssSampler) -
     while (left := seconds - rss.now()) > 0:
         time.sleep(min(PROGRESS_S, left))
         stack.check_children()  # logs a process that exited (it is not restarted)
-        print(_progress(rss.now(), traffic.summary(), rss.latest()), flush=True)
+        stage(_progress(rss.now(), traffic.summary(), rss.latest()))
 
 
 def _progress(t: float, requests: dict, latest: dict) -> str:

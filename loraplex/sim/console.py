@@ -5,6 +5,7 @@ the stage and the elapsed time while a long job runs. rich is imported only here
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,16 +18,26 @@ def emit(doc: dict[str, Any], as_json: bool, show: Callable[[dict[str, Any]], No
 
 @contextmanager
 def progress(what: str) -> Iterator[Callable[[str], None]]:
-    """A spinner on stderr, `what: <stage> (12 s)`; yields a function that names the next stage."""
+    """A spinner on stderr, `what: <stage> (12 s)`; yields a function that names the next stage. What the
+    job prints meanwhile passes above the spinner when stdout is the same terminal, else into stdout's
+    file (not onto stderr)."""
     from rich.console import Console
+    from rich.live import Live
+    from rich.spinner import Spinner
 
-    started, stage = time.monotonic(), [""]
+    started, stage = time.monotonic(), ["starting"]
     console = Console(stderr=True)
-    with console.status(what) as status:
-        def say(text: str) -> None:
-            stage[0] = text
-            status.update(f"{what}: {text} ({time.monotonic() - started:.0f} s)")
-        say("starting")
+    spinner = Spinner("dots", style="status.spinner")
+
+    def render() -> Spinner:  # at every refresh: the elapsed time counts on between stages
+        spinner.update(text=f"{what}: {stage[0]} ({time.monotonic() - started:.0f} s)")
+        return spinner
+
+    def say(text: str) -> None:
+        stage[0] = text
+
+    with Live(console=console, get_renderable=render, refresh_per_second=12.5, transient=True,
+              redirect_stdout=sys.stdout.isatty()):
         yield say
     console.print(f"{what}: done in {time.monotonic() - started:.0f} s", style="dim")
 

@@ -1,5 +1,7 @@
 """Types of command-line values that every `loraplex` command shares: a port, a non-negative number,
-a file or folder that must exist. argparse then refuses a bad value in one line naming the flag."""
+a file or folder that must exist. argparse then refuses a bad value in one line naming the flag.
+And a parser that checks another command's arguments without running it (`loraplex up`'s
+--agent-arg and --router-arg)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 
 def port(text: str) -> int:
@@ -57,3 +60,14 @@ def check_values(parser: argparse.ArgumentParser) -> None:
             action.type = port
         else:
             action.type = _non_negative(action.type)
+
+
+class RefusingParser(argparse.ArgumentParser):
+    """Raises ValueError where argparse would print the usage and exit. Made with no abbreviations and
+    no -h: `--por=9000` must not slip past the flags a caller owns, nor a help page end the caller."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog=prog, allow_abbrev=False, add_help=False)
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)

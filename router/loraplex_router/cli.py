@@ -93,7 +93,8 @@ def _up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-ttl", type=float, default=6.0)
     p.add_argument("--workdir", default=".loraplex", help="logs and fetched adapters go here")
     p.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for every agent (repeatable), e.g. --agent-arg=--num-blocks=64")
+                   help="extra argument for every agent (repeatable), any `loraplex agent` flag but those the stack "
+                        "sets itself (--port, --model, --redis-url, --pool...), e.g. --agent-arg=--num-blocks=64")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for the router (repeatable), any `loraplex router` flag, e.g. "
                         "--router-arg=--ttfb-deadline=30 or --router-arg=--api-keys=keys.yaml")

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from loraplex.cli import build_registry
 from loraplex.engine.policy_check import engine_error
 from loraplex.placement.controller import PlacementController
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
@@ -57,6 +58,11 @@ from loraplex_router.processes import LORAPLEX, Child, answers, wait_http, wait_
 log = logging.getLogger("loraplex.up")
 # Router flags the stack sets itself: it connects the router to its Redis and pool, and waits on its port.
 STACK_ROUTER_FLAGS = ("--redis-url", "--pool", "--port")
+# Agent flags the stack sets itself (_agent_argv): where each agent listens and is reached, its model,
+# pool, adapter store and heartbeats, its backend and the vLLM server beside it.
+STACK_AGENT_FLAGS = ("--host", "--port", "--model", "--redis-url", "--pool", "--server-id", "--advertise-url",
+                     "--adapter-store", "--heartbeat-interval", "--heartbeat-ttl", "--backend", "--vllm-port",
+                     "--vllm-log", "--vllm-python")
 DEFAULT_MODEL_DIR = Path("models/tiny")
 KERNEL_BUILD = "building the fused CPU LoRA kernel"  # the line an agent logs while it compiles (loraplex_kernels)
 VLLM_STARTUP_FACTOR = 4  # vLLM servers take 30-90 s each to start on two cores, all at once
@@ -503,13 +509,26 @@ def router_args_from(args: argparse.Namespace) -> list[str]:
         router_args += ["--picker", args.picker]
     for option in args.routing_option:
         router_args += ["--routing-option", option]
-    owned = [arg for arg in args.router_arg if arg.split("=", 1)[0] in STACK_ROUTER_FLAGS]
-    if owned:
-        raise CommandError(f"--router-arg={owned[0]}: `loraplex up` sets it itself; use its own "
-                           "--port, --pool or --redis-url")
+    _refuse_owned("--router-arg", args.router_arg, STACK_ROUTER_FLAGS)
     router_args += args.router_arg
     check_router_args(router_args)
     return router_args
+
+
+def agent_args_from(args: argparse.Namespace) -> list[str]:
+    """--agent-arg verbatim. CommandError, before anything starts, for what `loraplex agent` would refuse
+    (checked with the agent's own parser, through the command registry of the core: the router's
+    component imports no other component) and for a flag the stack sets itself."""
+    _refuse_owned("--agent-arg", args.agent_arg, STACK_AGENT_FLAGS)
+    build_registry().check_args("agent", args.agent_arg)
+    return list(args.agent_arg)
+
+
+def _refuse_owned(option: str, values: list[str], owned: tuple[str, ...]) -> None:
+    taken = [value for value in values if value.split("=", 1)[0] in owned]
+    if taken:
+        raise CommandError(f"{option}={taken[0]}: `loraplex up` sets it itself (its own flags: "
+                           "`loraplex up --help`)")
 
 
 def config_from_args(args: argparse.Namespace) -> StackConfig:
@@ -531,7 +550,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
                        pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
                        redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
                        placement_interval_s=args.placement_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-                       workdir=Path(args.workdir), agent_args=list(args.agent_arg),
+                       workdir=Path(args.workdir), agent_args=agent_args_from(args),
                        router_args=router_args_from(args),
                        backend=getattr(args, "backend", None), vllm_args=list(getattr(args, "vllm_arg", [])),
                        vllm_python=getattr(args, "vllm_python", None))

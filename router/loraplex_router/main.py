@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import NoReturn
 
 import uvicorn
 
@@ -18,7 +17,7 @@ from loraplex.routing.pipeline import Profile, parse_weights
 from loraplex.routing.rank_aware import parse_options
 from loraplex.spec.errors import CommandError, LoraplexError
 from loraplex.startup import listen_socket, open_store
-from loraplex.util.args import check_values
+from loraplex.util.args import RefusingParser, check_values
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing, load_keys
 from loraplex_router.cli import add_router_args
@@ -52,21 +51,18 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           ttfb_deadline_s=args.ttfb_deadline, outliers=outliers_from_args(args))
 
 
-class _RefusingParser(argparse.ArgumentParser):
-    """Raises CommandError where argparse would print the usage and exit."""
-
-    def error(self, message: str) -> NoReturn:
-        raise CommandError(f"router arguments: {message}")
-
-
 def check_router_args(argv: list[str]) -> None:
     """Raises CommandError (one line) for arguments `loraplex router` would refuse, so that `loraplex up`
     refuses them before it starts anything. No abbreviations and no -h: `--por=9000` must not slip past
     the flags the stack owns, nor a help page end `loraplex up`."""
-    parser = _RefusingParser(prog="loraplex router", allow_abbrev=False, add_help=False)
+    parser = RefusingParser(prog="loraplex router")
     add_router_args(parser)
     check_values(parser)
-    settings_from_args(parser.parse_args(argv))
+    try:
+        args = parser.parse_args(argv)
+    except ValueError as exc:
+        raise CommandError(f"router arguments: {exc}") from None
+    settings_from_args(args)
 
 
 def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:

@@ -37,7 +37,9 @@ def test_summary_and_ratios() -> None:
 def test_bench_command_end_to_end(tiny_model, tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     assert main(["bench", "engine", "--model", str(tiny_model.base_dir), "--requests", "4", "--prompt-len", "8",
-                 "--output-len", "3", "--num-adapters", "1,2", "--out", str(out)]) == 0
+                 "--output-len", "3", "--num-adapters", "1,2", "--out", str(out), "--plots", str(tmp_path)]) == 0
+    for name in ("engine-tokens-per-s-vs-adapters.png", "engine-ttft-p50-vs-adapters.png"):
+        assert (tmp_path / name).stat().st_size > 0
     report = json.loads(out.read_text())
     assert report["parameters"]["requests"] == 4 and report["parameters"]["max_loras"] == 2
     systems = {(r["system"], r["num_adapters"]) for r in report["results"]}

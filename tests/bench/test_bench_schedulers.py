@@ -31,8 +31,11 @@ TINY_TWIN = ["bench", "schedulers", "--side", "twin", "--requests", "60", "--ada
 
 def test_twin_side_runs_every_scheduler_on_the_same_requests(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "schedulers.json"
-    assert main([*TINY_TWIN, "--json", str(out)]) == 0
+    assert main([*TINY_TWIN, "--json", str(out), "--plots", str(tmp_path / "plots")]) == 0
     printed = capsys.readouterr().out
+    pngs = {p.name: p.stat().st_size for p in (tmp_path / "plots").iterdir()}
+    assert {"schedulers-twin-unified-ttft-p99-vs-load.png", "schedulers-twin-unified-goodput-tokens-per-s-vs-load.png",
+            "schedulers-twin-unified-slo-attainment-vs-load.png"} <= set(pngs) and all(pngs.values())
     assert "TTFT p99" in printed and "throughput at the SLO" in printed and "chameleon vs fifo" in printed
     report = json.loads(out.read_text())
     [twin] = report["blocks"]

@@ -4,6 +4,7 @@ signal during start-up stops what has started."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from loraplex_router.local_stack import LocalStack, StackConfig
+from loraplex_router.local_stack import LocalStack, StackConfig, agent_args_from
 
 from loraplex.ports import in_use
 
@@ -53,6 +54,25 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path, free_port, po
 def test_bad_flags_of_up_are_refused_at_once(tmp_path, args, fragment):
     one_line(loraplex("up", *args, cwd=tmp_path), fragment)
     assert not (tmp_path / ".loraplex").exists()
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--agent-arg=--bogus"], "agent arguments: unrecognized arguments: --bogus"),
+    (["--agent-arg", "--bogus"], "argument --agent-arg"),  # argparse takes --bogus for a flag of `up`
+    (["--agent-arg=--max-num-seqs=-1"], "argument --max-num-seqs: invalid non-negative int value"),
+    (["--agent-arg=--max-num-se=4"], "unrecognized arguments: --max-num-se=4"),  # no abbreviations
+    (["--agent-arg=-h"], "unrecognized arguments: -h"),
+    (["--agent-arg=--port=9000"], "--agent-arg=--port=9000: `loraplex up` sets it itself"),
+    (["--agent-arg=--redis-url", "--agent-arg=redis://x"], "--agent-arg=--redis-url: `loraplex up` sets it"),
+])
+def test_bad_agent_args_are_refused_before_anything_starts(tmp_path, args, fragment):
+    one_line(loraplex("up", *args, cwd=tmp_path), fragment)
+    assert not (tmp_path / ".loraplex").exists() and not (tmp_path / "models").exists()
+
+
+def test_good_agent_args_pass_the_check_verbatim():
+    args = argparse.Namespace(agent_arg=["--num-blocks=64", "--max-num-seqs", "4", "--scheduler", "fifo"])
+    assert agent_args_from(args) == args.agent_arg
 
 
 def test_the_operator_without_a_cluster_is_one_line(tmp_path):

@@ -85,8 +85,12 @@ def test_bench_routing_end_to_end(tmp_path, capsys):
     out = tmp_path / "routing.json"
     code = main(["bench", "routing", "--workloads", "uniform", "--ranks", "8,128", "--adapters", "10",
                  "--servers", "2", "--duration", "10", "--lengths", "fixed", "--prompt-len", "128",
-                 "--output-len", "32", "--placements", "replicate-all", "--rel-tol", "0.5", "--json", str(out)])
+                 "--output-len", "32", "--placements", "replicate-all", "--rel-tol", "0.5", "--json", str(out),
+                 "--plots", str(tmp_path / "plots")])
     assert code == 0
+    pngs = {p.name: p.stat().st_size for p in (tmp_path / "plots").iterdir()}
+    assert set(pngs) == {f"routing-uniform-replicate-all-{m}-vs-rps.png" for m in ("p95-tbt", "p95-ttft", "slo-attainment")}
+    assert all(pngs.values())
     printed = capsys.readouterr().out
     assert "rank-aware/loraserve rps" in printed and "P95 TBT" in printed
     doc = json.loads(out.read_text())
