@@ -205,9 +205,11 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def _serves(url: str, model: str) -> bool:
+    """Whether one completion of `model` succeeds; why not is printed (pytest shows it on a failure)."""
     try:
         return bool(_client(url).completions.create(model=model, prompt="def", max_tokens=2).choices)
-    except openai.OpenAIError:
+    except openai.OpenAIError as exc:
+        print(f"{time.strftime('%H:%M:%S')} {model}: {type(exc).__name__}: {exc}")
         return False
 
 
