@@ -4,6 +4,7 @@ the JSON; on CUDA the same command measures the Llama-2-7B shape. Bad input is o
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ def test_tiny_run_writes_every_measurement(tmp_path, capsys) -> None:
     assert report["shape"] == "tiny" and report["device"] == "cpu"
     assert {(d["batch"], d["adapters"]) for d in report["decode"]} >= {(1, 0), (4, 0), (1, 1), (4, 4)}
     assert all(d["tokens_per_s"] > 0 and not d["cuda_graphs"] for d in report["decode"])
-    assert report["mixed_ranks"]["lora_cost_ratio"] > 0
+    # A ratio of timing differences: on a busy CPU the tiny shape's LoRA cost is within the noise, so
+    # only that it was measured is checked here (no timed assertion in a test).
+    assert math.isfinite(report["mixed_ranks"]["lora_cost_ratio"])
     assert {a["phase"] for a in report["attention"]} == {"decode", "prefill"}
     assert report["greedy"]["identical"]
 
