@@ -26,20 +26,25 @@ from loraplex_bench.report import Series, slug
 class Contender:
     label: str
     placement: str
-    hysteresis: float = 0.0  # loraserve only; the baselines ignore it
+    hysteresis: float = 0.0  # loraserve and min-cost-flow only; the baselines ignore it
+
+
+# Policies with a hysteresis: one contender per value
+WITH_HYSTERESIS = ("loraserve", "min-cost-flow")
 
 
 def make_contenders(policies: Sequence[str], hysteresis: Sequence[float] = (0.0, 0.1)) -> list[Contender]:
-    """One contender per policy, and per hysteresis for loraserve (0 is the paper's behaviour)."""
+    """One contender per policy, and per hysteresis for loraserve and min-cost-flow (0 is the
+    paper's behaviour)."""
     unknown = sorted(set(policies) - set(POLICY_NAMES))
     if unknown or not policies:
         raise ValueError(f"unknown placement policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
-    if "loraserve" in policies and (not hysteresis or min(hysteresis) < 0):
-        raise ValueError("loraserve needs at least one hysteresis value, each >= 0")
+    if set(policies) & set(WITH_HYSTERESIS) and (not hysteresis or min(hysteresis) < 0):
+        raise ValueError("loraserve and min-cost-flow need at least one hysteresis value, each >= 0")
     out = []
     for name in policies:
-        if name == "loraserve":
-            out += [Contender(f"loraserve(h={h:g})", name, h) for h in hysteresis]
+        if name in WITH_HYSTERESIS:
+            out += [Contender(f"{name}(h={h:g})", name, h) for h in hysteresis]
         else:
             out.append(Contender(name, name))
     return out
@@ -61,6 +66,8 @@ class Probe:
     p95_ttft_s: float | None
     starved: bool
     starved_servers: int
+    moves_per_hour: float = 0.0  # (adapter, server) routes the tables added, per simulated hour
+    placement_s: float = 0.0     # mean wall time of one placement
 
 
 @dataclass
@@ -114,7 +121,9 @@ def probe(setup: TwinSetup, contender: Contender, trace: Trace, points: Operatin
                            engine_overrides=setup.engine_overrides, operating_points=points)
     run = simulate_cluster(trace, setup.profile, config, Slo(slo.p95_ttft_s))
     return Probe(float(trace.workload["rps"]), slo.met(run.summary), run.summary.ttft_s.get("p95"),
-                 run.summary.starved, run.info["starved_servers"])
+                 run.summary.starved, run.info["starved_servers"],
+                 run.info["adapter_moves"] * 3600 / max(trace.duration_s, 1e-9),
+                 run.info["placement_s"] / max(1, run.info["placements"]))
 
 
 @dataclass
@@ -179,5 +188,22 @@ def format_table(results: Sequence[WorkloadResult], contenders: Sequence[Contend
                     + ["-" if r is None else f"{r:.2f}x" for r in ratios])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def format_costs(results: Sequence[WorkloadResult], contenders: Sequence[Contender]) -> str:
+    """Per workload and contender: adapter moves per hour and mean placement time, at the highest
+    rate that met the SLO (the lowest probe when none did)."""
+    rows = [["workload", "contender", "max rps", "moves/h", "placement ms"]]
+    for result in results:
+        for c in contenders:
+            search = result.searches[c.label]
+            at = max((p for p in search.probes if p.met), key=lambda p: p.rps, default=None) or min(
+                search.probes, key=lambda p: p.rps)
+            rows.append([result.workload.rank_skew.label, c.label, f"{search.max_rps:.1f}",
+                         f"{at.moves_per_hour:.0f}", f"{at.placement_s * 1000:.1f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
              for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

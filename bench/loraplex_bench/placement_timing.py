@@ -27,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is reported")
     parser.add_argument("--rounds", type=int, default=1, help="re-placements, each after a ±10%% demand drift")
     parser.add_argument("--hysteresis", type=float, default=DEFAULT_HYSTERESIS,
-                        help="loraserve's tolerance above targetUtil for keeping adapters in place (0: the paper)")
+                        help="loraserve's and min-cost-flow's tolerance above targetUtil for keeping adapters in place (0: the paper)")
     parser.add_argument("--max-ranks", default="128", help="server max ranks, cycled over the servers (e.g. 64,128)")
     parser.add_argument("--min-replicas", type=int, default=1, help="replicas.min of every adapter")
     parser.add_argument("--seed", type=int, default=0)

@@ -26,7 +26,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", type=_csv(str), default=["loraserve", "random", "replicate-all"],
                    help="comma-separated placement policies")
     p.add_argument("--hysteresis", type=_csv(float), default=[0.0, 0.1],
-                   help="loraserve hysteresis values, one contender each (0 = the paper)")
+                   help="loraserve and min-cost-flow hysteresis values, one contender each (0 = the paper)")
     p.add_argument("--workloads", type=_csv(str), default=list(WORKLOADS),
                    help=f"rank popularities, comma-separated: {', '.join(WORKLOADS)}")
     p.add_argument("--alpha", type=float, default=1.0, help="power: rank share ~ i^-alpha")
@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     table = pc.format_table(results, contenders)
     print(f"\nmax rps at P95 TTFT <= {slo.p95_ttft_s:g} s without starvation; {setup.servers} servers, "
           f"{args.adapters} adapters, ranks {args.ranks}, {args.duration:g} s per probe, profile {setup.profile.name}"
-          f"{_rank_note(setup)}\n{table}\nwall time {time.perf_counter() - started:.0f} s")
+          f"{_rank_note(setup)}\n{table}\n\nat the highest rate that met the SLO:\n{pc.format_costs(results, contenders)}"
+          f"\nwall time {time.perf_counter() - started:.0f} s")
     if args.out:
         _write(args.out, results, table, {k: v for k, v in vars(args).items() if not callable(v)})
     if args.plots:

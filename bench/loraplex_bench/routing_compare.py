@@ -116,8 +116,8 @@ def probe(setup: RoutingSetup, placement: str, routing: str, trace: Trace, point
     run = simulate_cluster(trace, setup.profile, config, Slo(setup.slo.ttft_p95_s, setup.slo.tbt_p95_s))
     s = run.summary
     return RoutingProbe(float(trace.workload["rps"]), setup.slo.met(s), s.ttft_s.get("p95"), s.starved,
-                        run.info["starved_servers"], s.tpot_s.get("p95"), s.tpot_s.get("mean"), s.slo_attainment,
-                        tuple(run.info["requests_per_server"]))
+                        run.info["starved_servers"], p95_tbt_s=s.tpot_s.get("p95"), mean_tbt_s=s.tpot_s.get("mean"),
+                        slo_attainment=s.slo_attainment, requests_per_server=tuple(run.info["requests_per_server"]))
 
 
 @dataclass

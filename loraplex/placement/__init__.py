@@ -1,5 +1,5 @@
 """Adapter placement (pure): which servers serve each adapter and with what traffic fraction φ.
-`make_policy(name)` picks LoRAServe's Algorithm 1 or a baseline; `PlacementController` runs a policy
+`make_policy(name)` picks LoRAServe's Algorithm 1, Dynamo's min-cost flow or a baseline; `PlacementController` runs a policy
 over a RoutingStore every interval."""
 
 from loraplex.placement.controller import ControllerReport, PlacementController, build_input

@@ -21,7 +21,9 @@ from loraplex.placement.snapshot import (
     PlacementAdapter,
     PlacementInput,
     PlacementServer,
-    split_placeable,
+    check_hysteresis,
+    demand_of,
+    server_loads,
 )
 from loraplex.placement.sticky import keep_previous
 from loraplex.routing.table import RoutingTable
@@ -35,17 +37,11 @@ class LoRAServePolicy:
     name = "loraserve"
 
     def __init__(self, hysteresis: float = DEFAULT_HYSTERESIS) -> None:
-        if not (math.isfinite(hysteresis) and hysteresis >= 0):
-            raise ValueError(f"loraserve hysteresis must be a finite fraction >= 0, got {hysteresis}")
-        self.hysteresis = hysteresis
+        self.hysteresis = check_hysteresis("loraserve", hysteresis)
 
     def place(self, inp: PlacementInput) -> Placement:
-        servers = inp.healthy_servers()
-        adapters, unplaceable = split_placeable(inp, servers)
-        loads = {a.name: inp.load(a) for a in adapters}
-        hot = [a for a in adapters if loads[a.name] > EPS]
-        total = math.fsum(loads[a.name] for a in hot)
-        target = total / len(servers)
+        d = demand_of(inp)
+        servers, adapters, loads, hot, total, target = d.servers, d.adapters, d.loads, d.hot, d.total, d.target
         limit = target * (1 + self.hysteresis)
         stats = {"total_util": total, "target_util": target}
         weights: dict[str, dict[str, float]] = {}
@@ -60,9 +56,9 @@ class LoRAServePolicy:
         cold = [a for a in adapters if loads[a.name] <= EPS]
         place_cold(inp, cold, servers, weights, {a.name: a.rank for a in adapters})
         ensure_min_replicas(weights, adapters, servers, loads, target)
-        server_loads = _server_loads(weights, loads)
-        stats["max_load_ratio"] = max(server_loads.values(), default=0.0) / target if target > 0 else 0.0
-        return Placement(self.name, weights, inp.required_servers(), unplaceable, stats, tuple(sorted(overloaded)))
+        per_server = server_loads(weights, loads)
+        stats["max_load_ratio"] = max(per_server.values(), default=0.0) / target if target > 0 else 0.0
+        return Placement(self.name, weights, inp.required_servers(), d.unplaceable, stats, tuple(sorted(overloaded)))
 
 
 @dataclass
@@ -109,10 +105,3 @@ def _weights(packed: _Packed, loads: Mapping[str, float]) -> tuple[dict[str, dic
             weights.setdefault(name, {})[server] = share / loads[name]
     return weights, {packed.servers[i] for i in packed.overflowed}
 
-
-def _server_loads(weights: Mapping[str, Mapping[str, float]], loads: Mapping[str, float]) -> dict[str, float]:
-    per_server: dict[str, float] = {}
-    for name, routes in weights.items():
-        for server, phi in routes.items():
-            per_server[server] = per_server.get(server, 0.0) + phi * loads[name]
-    return per_server

@@ -8,9 +8,10 @@ from typing import Protocol
 
 from loraplex.placement.baselines import ContiguousPolicy, RandomPolicy, ReplicateAllPolicy
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS, LoRAServePolicy
+from loraplex.placement.min_cost_flow import MinCostFlowPolicy
 from loraplex.placement.snapshot import Placement, PlacementInput
 
-POLICY_NAMES = ("loraserve", "replicate-all", "random", "contiguous")
+POLICY_NAMES = ("loraserve", "min-cost-flow", "replicate-all", "random", "contiguous")
 
 
 class PlacementPolicy(Protocol):
@@ -22,10 +23,13 @@ class PlacementPolicy(Protocol):
 def make_policy(name: str, rng: random.Random | None = None, *,
                 hysteresis: float = DEFAULT_HYSTERESIS) -> PlacementPolicy:
     """`rng` is used by `random` (required there, so runs are reproducible). `hysteresis` is
-    `loraserve`'s tolerance above targetUtil within which an adapter keeps its previous servers
-    (0: the paper's fresh packing every step); the baselines ignore it (`random` is static anyway)."""
+    `loraserve`'s and `min-cost-flow`'s tolerance above targetUtil within which an adapter keeps its
+    previous servers (0: the paper's fresh packing every step); the baselines ignore it (`random` is
+    static anyway)."""
     if name == "loraserve":
         return LoRAServePolicy(hysteresis)
+    if name == "min-cost-flow":
+        return MinCostFlowPolicy(hysteresis)
     if name == "replicate-all":
         return ReplicateAllPolicy()
     if name == "contiguous":

@@ -97,6 +97,35 @@ def split_placeable(inp: PlacementInput, servers: Sequence[PlacementServer]
     return placeable, tuple(sorted(a.name for a in inp.adapters if a.rank > top))
 
 
+def check_hysteresis(policy: str, hysteresis: float) -> float:
+    if not (math.isfinite(hysteresis) and hysteresis >= 0):
+        raise ValueError(f"{policy} hysteresis must be a finite fraction >= 0, got {hysteresis}")
+    return hysteresis
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A snapshot's healthy servers and placeable adapters with their loads u(a); `hot` are those
+    with u > 0, `target` is targetUtil = Σ u / servers."""
+
+    servers: list[PlacementServer]
+    adapters: list[PlacementAdapter]
+    unplaceable: tuple[str, ...]
+    loads: dict[str, float]
+    hot: list[PlacementAdapter]
+    total: float
+    target: float
+
+
+def demand_of(inp: PlacementInput) -> Demand:
+    servers = inp.healthy_servers()
+    adapters, unplaceable = split_placeable(inp, servers)
+    loads = {a.name: inp.load(a) for a in adapters}
+    hot = [a for a in adapters if loads[a.name] > EPS]
+    total = math.fsum(loads[a.name] for a in hot)
+    return Demand(servers, adapters, unplaceable, loads, hot, total, total / len(servers))
+
+
 def previous_routes(inp: PlacementInput, adapter: PlacementAdapter, servers: Mapping[str, PlacementServer]
                     ) -> dict[str, float]:
     """The adapter's `min_replicas` heaviest routes of the previous table on servers that can still
@@ -108,3 +137,12 @@ def previous_routes(inp: PlacementInput, adapter: PlacementAdapter, servers: Map
     kept = sorted(routes, key=lambda r: (-r.weight, r.server))[:adapter.min_replicas]
     total = sum(r.weight for r in kept)
     return {r.server: r.weight / total for r in kept}
+
+
+def server_loads(weights: Mapping[str, Mapping[str, float]], loads: Mapping[str, float]) -> dict[str, float]:
+    """Σ φ · u per server."""
+    per_server: dict[str, float] = {}
+    for name, routes in weights.items():
+        for server, phi in routes.items():
+            per_server[server] = per_server.get(server, 0.0) + phi * loads[name]
+    return per_server

@@ -16,6 +16,7 @@ the requests routed to it since (what the real router's snapshot offers it).
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 from loraplex.engine.request import Request, RequestStatus
@@ -149,12 +150,19 @@ class _Cluster:
         self.window_tokens: dict[str, int] = {}
         self.placements = 0
         self.required_servers: list[int] = []
+        self.adapter_moves = 0    # (adapter, server) routes a table added over the one before it
+        self.placement_s = 0.0    # wall time spent in the policy
 
     def place(self, now: float, demand_tps: dict[str, float]) -> None:
         adapters = [PlacementAdapter(name, sim_adapter_id(name).digest, rank, demand_tps.get(name, 0.0))
                     for name, rank in sorted(self.adapters.items())]
+        started = time.perf_counter()
         placement = self.policy.place(PlacementInput(self.placement_servers, adapters, self.points, self.table))
-        self.table = placement.to_table(self.placements + 1, now, adapters)
+        self.placement_s += time.perf_counter() - started
+        table = placement.to_table(self.placements + 1, now, adapters)
+        if self.table is not None:
+            self.adapter_moves += _added_routes(self.table, table)
+        self.table = table
         self._offers, self._table_candidates = {}, {}
         self.placements += 1
         self.required_servers.append(placement.required_servers)
@@ -240,6 +248,12 @@ def _mean_demand(trace: Trace, duration: float) -> dict[str, float]:
     return {a: t / duration for a, t in tokens.items()}
 
 
+def _added_routes(before: RoutingTable, after: RoutingTable) -> int:
+    """Routes of `after` whose server did not route that adapter in `before`: adapters to load."""
+    return sum(len({r.server for r in after.routes(name)} - {r.server for r in before.routes(name)})
+               for name in after.entries)
+
+
 def _collect(cluster: _Cluster, trace: Trace, duration: float, slo: Slo | None) -> ClusterRun:
     results = [result_of(req, 0.0, req.adapter.name if req.adapter else None, server.id)
                for server in cluster.servers for req in server.requests]
@@ -253,6 +267,7 @@ def _collect(cluster: _Cluster, trace: Trace, duration: float, slo: Slo | None) 
                   for s in cluster.servers if s.id in by_server]
     info = {"servers": len(cluster.servers), "placement": cluster.config.placement,
             "placements": cluster.placements, "required_servers": cluster.required_servers,
+            "adapter_moves": cluster.adapter_moves, "placement_s": cluster.placement_s,
             "starved_servers": sum(per_server),
             "requests_per_server": [len(s.requests) for s in cluster.servers],
             "operating_points": {str(r): round(t, 1) for r, t in cluster.points.tokens_per_second.items()}}

@@ -283,7 +283,7 @@ class PlacementSpec(CrdModel):
     """How adapters are spread over the servers, and how the pool is sized."""
 
     policy: str = Field("loraserve", pattern=r"^[a-z][a-z0-9-]{0,31}$",
-                        description="Placement policy by name: loraserve, replicate-all, random, contiguous")
+                        description="Placement policy by name: loraserve, min-cost-flow, replicate-all, random, contiguous")
     interval_seconds: int = Field(60, ge=5, le=86400)
     autoscale: bool = Field(True, description="Scale servers between min and max from the required-server estimate")
     scale_down_delay_seconds: int = Field(300, ge=0, description="Fewer servers must suffice this long before scaling down")

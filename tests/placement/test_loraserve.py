@@ -2,7 +2,7 @@ import math
 import random
 
 import pytest
-from placement_cases import OP, flat, random_input, server_loads, total_load
+from placement_cases import OP, check_invariants, flat, random_input, server_loads, total_load
 
 from loraplex.placement import PlacementAdapter, PlacementInput, PlacementServer, make_policy
 from loraplex.placement.binpack import rank_budgets, round_half_up
@@ -106,7 +106,7 @@ def test_properties_on_random_inputs(seed):
         assert type(exc).__name__ == "PlacementError", exc
         assert seed % 3 == 0
         return
-    _check_invariants(inp, placement)
+    check_invariants(inp, placement)
     healthy = [s for s in inp.servers if s.healthy]
     placed = [a for a in inp.adapters if a.name in placement.weights]
     total = math.fsum(inp.load(a) for a in placed)
@@ -122,16 +122,3 @@ def test_properties_on_random_inputs(seed):
     assert flat(again.weights) == pytest.approx(
         flat(placement.weights))
 
-
-def _check_invariants(inp, placement):
-    healthy = {s.id: s for s in inp.servers if s.healthy}
-    top = max(s.max_rank for s in healthy.values())
-    by_name = {a.name: a for a in inp.adapters}
-    assert set(placement.weights) | set(placement.unplaceable) == set(by_name)
-    assert set(placement.unplaceable) == {a.name for a in inp.adapters if a.rank > top}
-    for name, routes in placement.weights.items():
-        assert routes and math.fsum(routes.values()) == pytest.approx(1.0)
-        for server, phi in routes.items():
-            assert server in healthy and phi > 0
-            assert healthy[server].max_rank >= by_name[name].rank
-    placement.to_table(1, 0.0, inp.adapters)  # validates Σφ = 1 and ≥ 1 route per adapter

@@ -10,7 +10,7 @@ from placement_cases import OP, flat, random_input, server_loads
 from loraplex.placement import PlacementAdapter, PlacementInput, PlacementServer, build_input, make_policy
 from loraplex.routing import AdapterRecord, DemandWindows, ServerRecord
 
-POLICIES = ("loraserve", "replicate-all", "random", "contiguous")
+POLICIES = ("loraserve", "min-cost-flow", "replicate-all", "random", "contiguous")
 
 
 @pytest.mark.parametrize("name", POLICIES)

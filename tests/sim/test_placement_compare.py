@@ -73,6 +73,8 @@ def test_bisection_reports_zero_below_its_floor_and_rejects_a_bad_bracket():
 def test_contenders_name_each_loraserve_hysteresis():
     labels = [c.label for c in make_contenders(["loraserve", "random"], [0.0, 0.1])]
     assert labels == ["loraserve(h=0)", "loraserve(h=0.1)", "random"]
+    labels = [c.label for c in make_contenders(["loraserve", "min-cost-flow"], [0.1])]
+    assert labels == ["loraserve(h=0.1)", "min-cost-flow(h=0.1)"]
     with pytest.raises(ValueError, match="unknown placement"):
         make_contenders(["best-fit"])
 
@@ -93,6 +95,9 @@ def test_bench_placement_twin_prints_a_table_of_monotone_searches(tmp_path, caps
                           "loraserve(h=0.1)/random", "loraserve(h=0.1)/replicate-all"]
     rows = [line.split() for line in table[2:4]]
     assert [row[0] for row in rows] == ["uniform", "shifting_skew"]
+    costs = lines[next(i for i, line in enumerate(lines) if "moves/h" in line):]
+    assert costs[0].split() == ["workload", "contender", "max", "rps", "moves/h", "placement", "ms"]
+    assert [row.split()[1] for row in costs[2:6]] == ["loraserve(h=0)", "loraserve(h=0.1)", "random", "replicate-all"]
     for row in rows:
         assert len(row) == len(header) and all(float(x) > 0 for x in row[1:5])
         assert all(x == "-" or x.endswith("x") for x in row[5:])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from loraplex.placement import OperatingPoints, PlacementAdapter, PlacementInput, PlacementServer
 
 RANKS = (8, 16, 32, 64, 128)
@@ -44,3 +46,19 @@ def total_load(inp: PlacementInput) -> float:
 def flat(weights) -> dict[tuple[str, str], float]:
     """{(adapter, server): φ}, comparable with pytest.approx."""
     return {(name, server): phi for name, routes in weights.items() for server, phi in routes.items()}
+
+
+def check_invariants(inp: PlacementInput, placement) -> None:
+    """Every adapter placed or unplaceable (exactly those above every healthy max rank), on healthy
+    servers able to hold its rank, φ > 0, Σφ = 1."""
+    healthy = {s.id: s for s in inp.servers if s.healthy}
+    top = max(s.max_rank for s in healthy.values())
+    by_name = {a.name: a for a in inp.adapters}
+    assert set(placement.weights) | set(placement.unplaceable) == set(by_name)
+    assert set(placement.unplaceable) == {a.name for a in inp.adapters if a.rank > top}
+    for name, routes in placement.weights.items():
+        assert routes and math.fsum(routes.values()) == pytest.approx(1.0)
+        for server, phi in routes.items():
+            assert server in healthy and phi > 0
+            assert healthy[server].max_rank >= by_name[name].rank
+    placement.to_table(1, 0.0, inp.adapters)  # validates Σφ = 1 and ≥ 1 route per adapter
