@@ -27,6 +27,7 @@ import os
 import shlex
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -130,12 +131,18 @@ class Release:
 
 
 def _adopt_existing_crds() -> None:
-    """CRDs another install left (they are kept on uninstall) join this release, as Helm requires."""
-    for crd in CRDS:
-        if kubectl("get", "crd", crd, check=False).returncode == 0:
-            kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
-            kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={RELEASE}",
-                    f"meta.helm.sh/release-namespace={SYSTEM_NS}")
+    """CRDs another install left (they are kept on uninstall; `kubectl apply --server-side -f crds/`
+    made them for test_cluster_e2e.py) join this release, as Helm requires: its labels, and their
+    fields owned by Helm's field manager (helm-python-sdk's Helm applies as the process' name), so that
+    a changed CRD installs and upgrades without a server-side-apply conflict with kubectl."""
+    existing = [crd for crd in CRDS if kubectl("get", "crd", crd, check=False).returncode == 0]
+    for crd in existing:
+        kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
+        kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={RELEASE}",
+                f"meta.helm.sh/release-namespace={SYSTEM_NS}")
+    if existing:
+        kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={Path(sys.executable).name}",
+                "-f", str(CHART / "files" / "crds"))
 
 
 @dataclass
