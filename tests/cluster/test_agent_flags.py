@@ -18,6 +18,7 @@ from loraplex_router.local_stack import LocalStack, ManifestError, StackConfig
 
 from loraplex.cli import CommandRegistry
 from loraplex.spec.crd import AdapterPoolSpec, EngineSpec, VllmSpec
+from loraplex.util.args import existing_dir, existing_file
 
 REF = PoolRef("tiny", "serving", "uid-1")
 CONFIG = OperatorConfig(redis_url="redis://redis:6379/0", agent_image="agent:1")
@@ -52,11 +53,22 @@ VLLM_CONTAINER_ONLY = {"image", "env", "port"}
 
 
 def _agent_parser() -> argparse.ArgumentParser:
+    """The agent's own parser, less its checks that a path exists: the paths are the pod's."""
     from loraplex_agent import cli
 
     registry = CommandRegistry()
     cli.register(registry)
+    _without_path_checks(registry.parser)
     return registry.parser
+
+
+def _without_path_checks(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:
+        if action.type in (existing_dir, existing_file):
+            action.type = None
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _without_path_checks(sub)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
