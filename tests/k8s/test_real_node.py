@@ -136,13 +136,13 @@ def _adopt_existing_crds() -> None:
     fields owned by Helm's field manager (helm-python-sdk's Helm applies as the process' name), so that
     a changed CRD installs and upgrades without a server-side-apply conflict with kubectl."""
     existing = [crd for crd in CRDS if kubectl("get", "crd", crd, check=False).returncode == 0]
+    if existing:  # first the fields (this drops the labels Helm's manager set before), then the labels
+        kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={Path(sys.executable).name}",
+                "-f", str(CHART / "files" / "crds"))
     for crd in existing:
         kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
         kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={RELEASE}",
                 f"meta.helm.sh/release-namespace={SYSTEM_NS}")
-    if existing:
-        kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={Path(sys.executable).name}",
-                "-f", str(CHART / "files" / "crds"))
 
 
 @dataclass
