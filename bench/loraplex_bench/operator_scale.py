@@ -4,7 +4,7 @@ A measurement, not a test: nothing here asserts a time. In a fresh namespace it 
 redis-server, the operator as a user starts it (`loraplex operator --standalone --namespace NS
 --redis-url URL`, or `--operator-cmd`), one AdapterPool of two fixed CPU servers and K heartbeating
 test agents (threads of this process: each waits for its StatefulSet pod, marks it Ready through the
-pod's status subresource, since there is no kubelet, and heartbeats a ServerRecord that reports the
+pod's status subresource, since no kubelet runs them (their nodeSelector matches no node), and heartbeats a ServerRecord that reports the
 adapters the current routing table assigns to it). Then N LoRADeployments are created with one
 `kubectl create -f`, and single and bulk changes, a quiet minute and a restart of the operator follow.
 
@@ -594,7 +594,10 @@ def adapter_doc(name: str, pool: str, rank: int, tps: float) -> dict[str, Any]:
 def pool_doc(pool: str, servers: int) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": "AdapterPool", "metadata": {"name": pool},
             "spec": {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},
-                     "servers": {"minReplicas": servers, "maxReplicas": servers, "gpusPerServer": 0},
+                     # A label no node has: a real kubelet never runs (or reports on) the pods, so the
+                     # test agents' Ready marks stand.
+                     "servers": {"minReplicas": servers, "maxReplicas": servers, "gpusPerServer": 0,
+                                 "nodeSelector": {"loraplex.io/bench": "stand-in-agents"}},
                      "engine": {"maxLoraRank": 64, "maxLoras": 8},
                      "placement": {"autoscale": False}}}
 

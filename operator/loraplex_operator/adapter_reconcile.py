@@ -1,13 +1,15 @@
 """LoRADeployment: register the adapter in its pool's registry, route it at once, and take it out again.
 
-Kopf-free: the handlers call these with the injected Deps and turn `RetryLater` into
-kopf.TemporaryError after writing the status it carries. Tables are written by the pool's
-PoolRoutes only (one writer, coalesced), never here."""
+Kopf-free: the handlers call these with the injected Deps, write the status a `Registered` carries
+and turn its `retry_after` into kopf.TemporaryError. Tables are written by the pool's
+PoolRoutes only (one writer, coalesced), never here. Registrations come in batches (the handlers'
+`RegistrationQueue`, the pool's tick): one batch, one table version."""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from loraplex.routing import (
     AdapterRecord,
@@ -30,17 +32,8 @@ from loraplex_operator.adapter_status import (
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import InspectionError
 from loraplex_operator.kube import ObjectRef
-from loraplex_operator.pool_routes import PoolRoutes
 
 Outcome = tuple[LoRADeploymentStatus, list[Event]]
-
-
-class RetryLater(Exception):
-    """Not possible yet (no pool, store down, source unreachable): write `outcome`, retry after `delay`."""
-
-    def __init__(self, outcome: Outcome, delay: float) -> None:
-        super().__init__(outcome[0].message)
-        self.outcome, self.delay = outcome, delay
 
 
 def _credentials(deps: Deps, namespace: str, spec: LoRADeploymentSpec) -> Mapping[str, str]:
@@ -92,53 +85,80 @@ def _known_record(existing: AdapterRecord | None, spec: LoRADeploymentSpec, gene
     return None
 
 
-def register_adapter(ref: ObjectRef, generation: int | None, spec: LoRADeploymentSpec,
-                     previous: LoRADeploymentStatus | None, pool: AdapterPoolSpec | None, deps: Deps) -> Outcome:
-    """Registers this generation of the adapter (inspecting its source unless already done) and
-    routes it before returning. Writes nothing to Redis when the registry already says the same."""
+@dataclass(frozen=True)
+class Registration:
+    """One generation of a LoRADeployment to register, as its handler (or the pool's tick) read it."""
+
+    ref: ObjectRef
+    generation: int | None
+    spec: LoRADeploymentSpec
+    previous: LoRADeploymentStatus | None
+    pool: AdapterPoolSpec | None  # None: the pool does not exist
+
+
+@dataclass(frozen=True)
+class Registered:
+    """The status (and events) to write; `retry_after`: not possible yet, try again after this long."""
+
+    outcome: Outcome
+    retry_after: float | None = None
+
+
+def register_adapters(pool: str, batch: Sequence[Registration], deps: Deps) -> list[Registered]:
+    """Registers a batch of one pool's LoRADeployments: each in the registry (inspecting its source
+    unless this generation was inspected before; nothing written when the registry already says the
+    same), then all of them routed by at most one new table version. The work per batch is that of
+    its adapters plus one copy of the table, whatever the pool holds."""
     now = deps.clock.now()
-    if pool is None:
-        view = AdapterView(ref.name, spec.pool, generation, False, None, None, ())
-        raise RetryLater(adapter_status(view, previous, now), 30)
+    prepared = [_prepare(r, deps, now) for r in batch]
+    records = [p for p in prepared if isinstance(p, AdapterRecord)]
+    table: RoutingTable | None = None
+    servers: list[ServerRecord] = []
+    if records:
+        try:
+            table, servers = deps.routes(pool).route(records)
+        except (StoreUnavailableError, StaleVersionError) as exc:
+            prepared = [_store_down(r, exc, now) if isinstance(p, AdapterRecord) else p
+                        for r, p in zip(batch, prepared, strict=True)]
+    return [p if isinstance(p, Registered) else
+            Registered(adapter_status(adapter_view(r.ref.name, r.spec, r.generation, p, table, servers),
+                                      r.previous, now))
+            for r, p in zip(batch, prepared, strict=True)]
+
+
+def _store_down(r: Registration, exc: Exception, now: float) -> Registered:
+    return Registered(blocked_status("Pending", "StoreUnavailable", str(exc), r.generation, r.previous, now,
+                                     r.spec.adapter.rank), 10)
+
+
+def _prepare(r: Registration, deps: Deps, now: float) -> Registered | AdapterRecord:
+    """The adapter's record, in the registry and waiting to be routed; or its final status."""
+    if r.pool is None:
+        view = AdapterView(r.ref.name, r.spec.pool, r.generation, False, None, None, ())
+        return Registered(adapter_status(view, r.previous, now), 30)
     try:
-        store = deps.store(spec.pool)
-        existing = store.get_adapter(ref.name)
-        record = _known_record(existing, spec, generation, previous) or _record(ref, spec, pool, deps)
-        too_large = rank_too_large(record.rank, pool)
+        store = deps.store(r.spec.pool)
+        existing = store.get_adapter(r.ref.name)
+        record = _known_record(existing, r.spec, r.generation, r.previous) or _record(r.ref, r.spec, r.pool, deps)
+        too_large = rank_too_large(record.rank, r.pool)
         if too_large:
-            _unregister(ref.name, spec.pool, deps)
-            return blocked_status("Failed", RANK_TOO_LARGE, too_large, generation, previous, now, record.rank,
-                                  record.digest)
-        routes = deps.routes(spec.pool)
-        routes.copies[ref.name] = spec.replicas.min
+            _unregister(r.ref.name, r.spec.pool, deps)
+            return Registered(blocked_status("Failed", RANK_TOO_LARGE, too_large, r.generation, r.previous, now,
+                                             record.rank, record.digest))
+        deps.routes(r.spec.pool).copies[r.ref.name] = r.spec.replicas.min
         if existing is not None and existing.to_json() == record.to_json():
-            table, servers = _routed(routes, record)  # a resume: nothing to write
-            record = existing
-        else:
-            store.put_adapter(record)
-            table, servers = routes.sync()
-            record = store.get_adapter(ref.name) or record  # with its locations
+            return existing  # a resume: nothing to write
+        store.put_adapter(record)
+        return record
     except InspectionError as exc:
         if exc.retryable:
-            raise RetryLater(blocked_status("Pending", exc.reason, exc.message, generation, previous, now,
-                                            spec.adapter.rank), 60) from exc
-        _unregister(ref.name, spec.pool, deps)
-        return blocked_status("Failed", exc.reason, exc.message, generation, previous, now, spec.adapter.rank)
+            return Registered(blocked_status("Pending", exc.reason, exc.message, r.generation, r.previous, now,
+                                             r.spec.adapter.rank), 60)
+        _unregister(r.ref.name, r.spec.pool, deps)
+        return Registered(blocked_status("Failed", exc.reason, exc.message, r.generation, r.previous, now,
+                                         r.spec.adapter.rank))
     except (StoreUnavailableError, StaleVersionError) as exc:
-        raise RetryLater(blocked_status("Pending", "StoreUnavailable", str(exc), generation, previous, now,
-                                        spec.adapter.rank), 10) from exc
-    return adapter_status(adapter_view(ref.name, spec, generation, record, table, servers), previous, now)
-
-
-def _routed(routes: PoolRoutes, record: AdapterRecord) -> tuple[RoutingTable | None, list[ServerRecord]]:
-    """The table and serving servers when the registry already holds `record`: the current table
-    if it routes this digest and rank (no sync, so resuming a thousand adapters publishes nothing
-    and reads little), else after a sync."""
-    table = routes.store.read_table()
-    entry = table.entries.get(record.name) if table else None
-    if entry is None or (entry.digest, entry.rank) != (record.digest, record.rank):
-        return routes.sync()
-    return table, routes.serving(routes.store.healthy_servers())
+        return _store_down(r, exc, now)
 
 
 def _unregister(name: str, pool: str, deps: Deps) -> None:

@@ -3,9 +3,11 @@ status and post the events. Nothing else happens here."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from contextlib import suppress
+from functools import partial
 from typing import Any, TypeVar
 
 import kopf
@@ -22,8 +24,9 @@ from loraplex.spec.crd import (
     LoRADeploymentSpec,
     LoRADeploymentStatus,
 )
-from loraplex_operator.adapter_reconcile import RetryLater, register_adapter, unregister_adapter
+from loraplex_operator.adapter_reconcile import Registered, Registration, register_adapters, unregister_adapter
 from loraplex_operator.adapter_status import Event
+from loraplex_operator.batching import BatchQueue
 from loraplex_operator.deps import Deps
 from loraplex_operator.kube import ObjectRef
 from loraplex_operator.names import POOL_LABEL, selector_string
@@ -148,33 +151,40 @@ def pool_timer(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str,
     _post(deps, ref, result.events)
 
 
-def _pool_spec(index: kopf.Index, namespace: str, pool: str, deps: Deps) -> AdapterPoolSpec | None:
-    """The pool's spec from the index; from the API when the index has not seen the pool yet (a pool
-    and its adapters applied together)."""
-    for parsed in index.get((namespace, pool), []):
-        return parsed
+def _fetch_pool(namespace: str, pool: str, deps: Deps) -> AdapterPoolSpec | None:
+    """The pool's spec from the API, when the index has not seen the pool yet (a pool and its adapters
+    applied together)."""
     obj = deps.kube.get(API_VERSION, "AdapterPool", namespace, pool)
     return _parse(AdapterPoolSpec, obj.get("spec")) if obj is not None else None
+
+
+def _registrations(memo: kopf.Memo, pool: str) -> BatchQueue[Registration, Registered]:
+    """The pool's queue of registrations (one batch, one table version)."""
+    queues = memo.setdefault("registrations", {})
+    if pool not in queues:
+        queues[pool] = BatchQueue(partial(register_adapters, pool, deps=memo.deps))
+    return queues[pool]
 
 
 @kopf.on.resume(*ADAPTERS)
 @kopf.on.create(*ADAPTERS)
 @kopf.on.update(*ADAPTERS, field="spec")
-def adapter_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
-                    patch: kopf.Patch, memo: kopf.Memo, pools_by_name: kopf.Index, ready_pods_by_pool: kopf.Index,
-                    **_: Any) -> None:
+async def adapter_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
+                          patch: kopf.Patch, memo: kopf.Memo, pools_by_name: kopf.Index,
+                          ready_pods_by_pool: kopf.Index, **_: Any) -> None:
+    """Async, so that every LoRADeployment waiting for its pool's next batch holds no worker thread."""
     deps: Deps = memo.deps
     ref = ObjectRef(API_VERSION, "LoRADeployment", namespace, name, meta.get("uid", ""))
     previous = _parse(LoRADeploymentStatus, status)
     parsed = _spec(LoRADeploymentSpec, spec)
     deps.routes(parsed.pool).ready_pods = _ready_pods(ready_pods_by_pool, namespace, parsed.pool)
-    try:
-        outcome = register_adapter(ref, meta.get("generation"), parsed, previous,
-                                   _pool_spec(pools_by_name, namespace, parsed.pool, deps), deps)
-    except RetryLater as retry:
-        _write(deps, ref, patch, previous, retry.outcome)
-        raise kopf.TemporaryError(retry.outcome[0].message, delay=retry.delay) from retry
-    _write(deps, ref, patch, previous, outcome)
+    indexed = list(pools_by_name.get((namespace, parsed.pool), []))
+    pool = indexed[0] if indexed else await asyncio.to_thread(_fetch_pool, namespace, parsed.pool, deps)
+    done = await _registrations(memo, parsed.pool).submit(
+        Registration(ref, meta.get("generation"), parsed, previous, pool))
+    _write(deps, ref, patch, previous, done.outcome)
+    if done.retry_after is not None:
+        raise kopf.TemporaryError(done.outcome[0].message, delay=done.retry_after)
 
 
 def _write(deps: Deps, ref: ObjectRef, patch: kopf.Patch, previous: LoRADeploymentStatus | None,

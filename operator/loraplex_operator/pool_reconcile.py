@@ -29,7 +29,7 @@ from loraplex.spec.crd import (
     LoRADeploymentSpec,
     LoRADeploymentStatus,
 )
-from loraplex_operator.adapter_reconcile import RetryLater, adapter_view, rank_too_large, register_adapter
+from loraplex_operator.adapter_reconcile import Registration, adapter_view, rank_too_large, register_adapters
 from loraplex_operator.adapter_status import (
     PLACEMENT_REASONS,
     RANK_TOO_LARGE,
@@ -228,14 +228,10 @@ def _reregister(ref: ObjectRef, pool: AdapterPoolSpec, deployments: Sequence[Dep
     due = [d for d in deployments if _handled(d) and d.name not in records and d.status is not None
            and (d.status.reason in _REREGISTER or d.status.reason in TICK_REASONS)
            and not (d.status.reason == RANK_TOO_LARGE and rank_too_large(d.status.rank or 0, pool))]
-    writes = []
-    for d in due[:MAX_REREGISTER_PER_TICK]:
-        target = ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid)
-        try:
-            outcome = register_adapter(target, d.generation, d.spec, d.status, pool, deps)
-        except RetryLater as retry:
-            outcome = retry.outcome
-        writes.append(StatusWrite(target, d.status, *outcome))
+    batch = [Registration(ObjectRef(API_VERSION, "LoRADeployment", ref.namespace, d.name, d.uid), d.generation,
+                          d.spec, d.status, pool) for d in due[:MAX_REREGISTER_PER_TICK]]
+    writes = [StatusWrite(r.ref, r.previous, *done.outcome)
+              for r, done in zip(batch, register_adapters(ref.name, batch, deps), strict=True)]
     write_statuses(deps, writes)
     return len(writes)
 

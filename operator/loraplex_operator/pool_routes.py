@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from loraplex.placement.controller import ControllerReport, PlacementController
-from loraplex.routing import RoutingStore, RoutingTable, ServerRecord, StaleVersionError
+from loraplex.routing import AdapterRecord, RoutingStore, RoutingTable, ServerRecord, StaleVersionError
 from loraplex.routing.choice import RoutingChoice
 from loraplex.util.clock import Clock
 from loraplex_operator.coalesce import Coalescer
 from loraplex_operator.replica_bounds import ReplicaBounds
-from loraplex_operator.table_edits import sync_with_registry
+from loraplex_operator.table_edits import route_records, sync_with_registry
 
 ControllerKey = tuple[str, bool, float]  # policy, GPU servers, hysteresis
 Synced = tuple[RoutingTable | None, list[ServerRecord]]
@@ -43,6 +43,13 @@ class PoolRoutes:
         """Brings the table in line with the registry; returns (table, serving servers) as of a sync
         that started after this call."""
         return self._sync()
+
+    def route(self, records: list[AdapterRecord]) -> Synced:
+        """Routes these just registered records (a batch of registrations) without reading the rest of
+        the registry; returns (table, serving servers). The tick's `sync` catches up on anything else."""
+        def edit(table: RoutingTable | None, servers: list[ServerRecord]) -> RoutingTable | None:
+            return route_records(table, records, servers, self.clock.now(), {**self.bounds.minimum, **self.copies})
+        return self._edit(edit)
 
     def set_routing(self, routing: RoutingChoice | None) -> Synced:
         """Publishes the table again naming `routing` (the pool's spec.routing) unless it does already;

@@ -54,16 +54,31 @@ def sync_with_registry(table: RoutingTable | None, records: Sequence[AdapterReco
     can hold stays out until a placement finds one. `copies`: replicas.min by adapter (default 1)."""
     entries = dict(table.entries) if table else {}
     registered = {r.name for r in records}
-    changed = [name for name in entries if name not in registered]
-    for name in changed:
+    removed = [name for name in entries if name not in registered]
+    for name in removed:
         del entries[name]
+    return _routed(table, entries, records, servers, now, copies or {}, removed)
+
+
+def route_records(table: RoutingTable | None, records: Sequence[AdapterRecord], servers: Sequence[ServerRecord],
+                  now: float, copies: Mapping[str, int] | None = None) -> RoutingTable | None:
+    """The next table with these (new or changed) records routed as `sync_with_registry` routes them,
+    every other entry as it is; None when the current one routes them already. The cost is the
+    records' and one copy of the entries, whatever the registry holds: a batch of registrations."""
+    return _routed(table, dict(table.entries) if table else {}, records, servers, now, copies or {}, [])
+
+
+def _routed(table: RoutingTable | None, entries: dict[str, TableEntry], records: Sequence[AdapterRecord],
+            servers: Sequence[ServerRecord], now: float, copies: Mapping[str, int],
+            changed: list[str]) -> RoutingTable | None:
+    todo = [r for r in records if (e := entries.get(r.name)) is None or (e.digest, e.rank) != (r.digest, r.rank)]
+    if not todo and not changed:
+        return None
     assigned = Counter(r.server for e in entries.values() for r in e.routes)
-    for record in records:
+    for record in todo:
         current = entries.get(record.name)
-        if current is not None and (current.digest, current.rank) == (record.digest, record.rank):
-            continue
         try:
-            entry = _entry(record, current, servers, assigned, (copies or {}).get(record.name, 1))
+            entry = _entry(record, current, servers, assigned, copies.get(record.name, 1))
         except NoServerError:
             if current is None:
                 continue

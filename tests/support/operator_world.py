@@ -5,8 +5,10 @@ server would. Shared by the tests of tests/k8s."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import copy
+import inspect
 from typing import Any
 
 import kopf
@@ -117,8 +119,10 @@ class World:
                    **extra}
         token = _HANDLER_CONTEXT.set(name)
         try:
-            handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name, namespace=NS,
-                    patch=patch, memo=self.memo, logger=None, **indexes)
+            called = handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name,
+                             namespace=NS, patch=patch, memo=self.memo, logger=None, **indexes)
+            if inspect.iscoroutine(called):  # an async handler: kopf awaits it in its loop
+                asyncio.run(called)
         finally:
             _HANDLER_CONTEXT.reset(token)
             if dict(patch):  # kopf applies the patch even when the handler asks for a retry

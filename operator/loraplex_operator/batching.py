@@ -1,0 +1,50 @@
+"""Batches across kopf's handlers without a worker thread each: a handler hands its item to a queue
+and awaits; one drain at a time takes everything queued so far and runs the batch function in a
+thread; whatever arrives meanwhile makes the next batch. So ten thousand LoRADeployments created at
+once are registered in batches as wide as the arrivals during one run, whatever kopf's worker count."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BatchQueue(Generic[T, R]):
+    def __init__(self, work: Callable[[Sequence[T]], Sequence[R]]) -> None:
+        self._work = work  # one result per item, in order
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._drain_task: asyncio.Task[None] | None = None
+        self.batches = 0  # batches run so far
+
+    async def submit(self, item: T) -> R:
+        """The item's result, from the first batch that starts after this call."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
+        self._pending.append((item, future))
+        if self._drain_task is None or self._drain_task.done():
+            self._drain_task = loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                results = await asyncio.to_thread(self._work, [item for item, _ in batch])
+            except asyncio.CancelledError:  # shutting down: nobody waits for these any more
+                for _, future in batch:
+                    future.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 (each caller gets the batch's error)
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            finally:
+                self.batches += 1
+            for (_, future), result in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
