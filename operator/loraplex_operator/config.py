@@ -26,6 +26,10 @@ class OperatorConfig:
     heartbeat_ttl_seconds: float = 15.0
     tick_seconds: float = 5.0  # how often each pool's timer wakes to check whether placement is due
     peering: str = "loraplex"
+    # The operator's requests to the API server (both clients together): this many a second on
+    # average and this many at once, to stay under its priority-and-fairness limits. 0: no limit.
+    kube_qps: float = 200.0
+    kube_burst: int = 400
 
     def agent_image_for(self, gpus_per_server: int) -> str:
         return self.agent_image if gpus_per_server > 0 else self.agent_cpu_image
@@ -38,6 +42,9 @@ class OperatorConfig:
                 validate_pool_name(secret)  # a DNS label, like every Secret name we accept
         if self.tick_seconds <= 0 or self.heartbeat_ttl_seconds <= 0:
             raise ValueError("tick and heartbeat TTL must be positive")
+        if self.kube_qps < 0 or self.kube_burst < 1:
+            raise ValueError(f"LORAPLEX_KUBE_QPS must be >= 0 and LORAPLEX_KUBE_BURST >= 1, got {self.kube_qps} "
+                             f"and {self.kube_burst}")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> OperatorConfig:
@@ -54,4 +61,6 @@ class OperatorConfig:
             heartbeat_ttl_seconds=float(env.get("LORAPLEX_HEARTBEAT_TTL", defaults.heartbeat_ttl_seconds)),
             tick_seconds=float(env.get("LORAPLEX_TICK_SECONDS", defaults.tick_seconds)),
             peering=env.get("LORAPLEX_PEERING", defaults.peering),
+            kube_qps=float(env.get("LORAPLEX_KUBE_QPS", defaults.kube_qps)),
+            kube_burst=int(env.get("LORAPLEX_KUBE_BURST", defaults.kube_burst)),
         )

@@ -23,6 +23,7 @@ from loraplex_operator.planner_runner import PlannerRunner
 from loraplex_operator.pool_policy import PoolPolicy
 from loraplex_operator.pool_routes import ControllerKey, PoolRoutes
 from loraplex_operator.replica_bounds import ReplicaBounds
+from loraplex_operator.throttle import Throttle
 
 
 class Inspector(Protocol):
@@ -42,6 +43,8 @@ class Deps:
     # The `random` policy's source, seeded per pool so a restarted operator places the same way.
     make_random: Callable[[str], random.Random] = field(default=lambda pool: random.Random(pool))
     planner: PlannerRunner = field(default_factory=PlannerRunner)  # pools sized by the planner
+    # The rate of the operator's API requests, shared by `kube` and kopf's own session.
+    throttle: Throttle = field(default_factory=lambda: Throttle(0, 1))
     # The last status this operator wrote per object uid: an unchanged status is not written again.
     written: dict[str, dict[str, Any]] = field(default_factory=dict)
     # What the pool tick last refreshed each adapter's status from (object version and inputs).

@@ -28,7 +28,7 @@ from loraplex_operator.adapter_reconcile import Registered, Registration, regist
 from loraplex_operator.adapter_status import Event
 from loraplex_operator.batching import BatchQueue
 from loraplex_operator.deps import Deps
-from loraplex_operator.kube import ObjectRef
+from loraplex_operator.kube import ObjectRef, throttled_session
 from loraplex_operator.names import POOL_LABEL, selector_string
 from loraplex_operator.pool_reconcile import (
     APPLY_FAILED,
@@ -227,6 +227,14 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own events tell the story; kopf adds only problems
     settings.watching.server_timeout = 300
     logging.getLogger("kopf.objects").addFilter(_QuietTimers())
+
+
+@kopf.on.login()
+async def login(memo: kopf.Memo, logger: logging.Logger, settings: kopf.OperatorSettings, **kwargs: Any) -> Any:
+    """kopf's own credentials, in a session whose requests share the operator's Throttle (async: the
+    session belongs to kopf's event loop)."""
+    info = kopf.login_via_client(logger=logger, settings=settings, **kwargs)
+    return throttled_session(info, memo.deps.throttle) if info is not None else None
 
 
 @kopf.on.cleanup()

@@ -17,6 +17,7 @@ from loraplex_operator.config import OperatorConfig
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector
 from loraplex_operator.kube import KopfEvents, KubeError, KubernetesApi
+from loraplex_operator.throttle import QuietRetries, Throttle
 
 MAX_PRIORITY = 1 << 30
 
@@ -25,10 +26,11 @@ def build_deps(config: OperatorConfig) -> Deps:
     from loraplex.routing.redis_store import RedisRoutingStore
     from loraplex.startup import redis_password
 
-    return Deps(config=config, kube=KubernetesApi(), events=KopfEvents(), clock=WallClock(),
+    throttle = Throttle(config.kube_qps, config.kube_burst)
+    return Deps(config=config, kube=KubernetesApi(throttle=throttle), events=KopfEvents(), clock=WallClock(),
                 store_factory=lambda pool: RedisRoutingStore.from_url(config.redis_url, pool,
                                                                       password=redis_password()),
-                inspector=SourceInspector())
+                inspector=SourceInspector(), throttle=throttle)
 
 
 def peering_objects(name: str, namespaces: list[str]) -> list[dict[str, Any]]:
@@ -55,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     namespaces = [ns for ns in (args.namespace or []) if ns]
     peering = args.peering or config.peering
     deps = _deps_or_refuse(config)
+    quiet = QuietRetries(deps.throttle)  # kopf's objects' logger posts its lines as Events too: filter there
+    for target in (logging.getLogger("kopf.objects"), *logging.getLogger().handlers):
+        target.addFilter(quiet)
     if not args.standalone:
         _start_peering(deps, peering, namespaces)
     # kopf makes peering mandatory whenever it is given a peering name: none when standalone.

@@ -12,6 +12,7 @@ import pytest
 from loraplex_operator.inspect_source import InspectionError, SourceInspector, file_url
 from loraplex_operator.kube import KubeError
 from loraplex_operator.main import peering_objects
+from loraplex_operator.throttle import Throttle
 
 from loraplex.cli import main
 from loraplex.spec.crd import AdapterSource
@@ -51,7 +52,7 @@ def _run_operator(monkeypatch: pytest.MonkeyPatch, kube: Any, *args: str) -> dic
     from loraplex_operator import main as operator_main
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(operator_main, "build_deps", lambda config: SimpleNamespace(kube=kube))
+    monkeypatch.setattr(operator_main, "build_deps", lambda config: SimpleNamespace(kube=kube, throttle=Throttle(0, 1)))
     monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
     assert main(["operator", "--redis-url", "redis://127.0.0.1:1/0", *args]) == 0
     return seen
@@ -67,7 +68,7 @@ def test_missing_peering_crds_are_one_line_and_exit_2(capsys: pytest.CaptureFixt
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplex_operator import main as operator_main
 
-    monkeypatch.setattr(operator_main, "build_deps", lambda config: SimpleNamespace(kube=_NoPeeringCrds()))
+    monkeypatch.setattr(operator_main, "build_deps", lambda config: SimpleNamespace(kube=_NoPeeringCrds(), throttle=Throttle(0, 1)))
     assert main(["operator", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     err = capsys.readouterr().err
     assert "kopf's peering CRDs are not installed" in err and "Traceback" not in err and err.count("\n") == 1
