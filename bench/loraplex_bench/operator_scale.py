@@ -515,6 +515,18 @@ class OperatorProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def peak_rss_mb(self) -> float | None:
+        """The running operator's peak resident memory (VmHWM) so far, in MB."""
+        if not self.alive():
+            return None
+        assert self.proc is not None
+        try:
+            text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except OSError:
+            return None
+        kb = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("VmHWM:")), None)
+        return None if kb is None else round(kb / 1024, 1)
+
     def stop(self, grace_s: float = 30.0) -> None:
         proc = self.proc
         if proc is None or proc.returncode is not None:
@@ -846,13 +858,15 @@ class Bench:
         row = {"phase": ph.name, **ph.values, "wall_s": _r(t1 - ph.t0), "api": reqs,
                "redis_commands": {"total": sum(cmds.values()), "by_command": dict(cmds.most_common(12))},
                "operator_cpu_s": _r(self.operator.cpu() - ph.cpu0, 2),
+               "operator_peak_rss_mb": self.operator.peak_rss_mb(),
                "events_total": events, "events_new": events - ph.events0,
                "log": self.operator.log_problems(ph.log0),
                "agents_assigned": [a.assigned for a in self.agents]}
         self.results["phases"].append(row)
         parts = [f"{k}={row[k]}" for k in ("kubectl_s", "phase_s", "ready_s", "quiet_s") if row.get(k) is not None]
         parts += [f"api={reqs['total']} (writes {reqs['writes']})", f"redis={row['redis_commands']['total']}",
-                  f"cpu={row['operator_cpu_s']}s", f"events+={row['events_new']}",
+                  f"cpu={row['operator_cpu_s']}s", f"rss={row['operator_peak_rss_mb']}MB",
+                  f"events+={row['events_new']}",
                   f"errors={row['log']['error_lines']}"]
         _log(f"  {ph.name}: " + ", ".join(parts))
         return row
@@ -884,12 +898,18 @@ class Bench:
             return None
         return max(since, self.audit.last_write)
 
-    def wait_started(self, t0: float) -> None:
-        """Until the (re)started operator watches LoRADeployments (kopf lists, then watches)."""
+    def wait_started(self, t0: float) -> float | None:
+        """Until the (re)started operator watches LoRADeployments (kopf lists, then watches); returns
+        the seconds after t0 of its first watch request, None if it did not come within the timeout."""
         assert self.audit
-        self._wait(lambda: any(r.verb == "watch" and r.resource == "loradeployments"
-                               for r in self.audit.between(t0, time.time() + 1)), 120,
-                   "the operator to watch LoRADeployments")
+
+        def first_watch() -> float | None:
+            return next((r.t for r in self.audit.between(t0, time.time() + 1)
+                         if r.verb == "watch" and r.resource == "loradeployments"), None)
+
+        if self._wait(lambda: first_watch() is not None, self.args.timeout, "the operator to watch LoRADeployments"):
+            return _r((first_watch() or t0) - t0, 2)
+        return None
 
     def all_ready(self, names: Iterable[str], newer_than: dict[str, int] | None = None) -> Callable[[], bool]:
         """Every named adapter Ready for its current generation (and, for a change, for a generation
@@ -995,11 +1015,21 @@ class Bench:
 
         ph = self.begin("restart")
         self.operator.stop()
-        t_start, position = time.time(), self.operator.log_position()
-        self.operator.start()
-        self.wait_started(t_start)
         # kopf resumes every object (each LoRADeployment and the pool) whether or not it writes.
         resumed = len(self.expected) + 1
+        t_start, position = time.time(), self.operator.log_position()
+        self.operator.start()
+        # One adapter created as the operator starts: how soon a restarted operator serves a change.
+        fresh = "lora-after-restart"
+        self.ranks[fresh] = 0
+        path = write_docs(self.work / "after-restart.yaml", [adapter_doc(fresh, self.pool, RANKS[0], 10.0)])
+        self.run_kubectl("create", "-n", self.ns, "-f", str(path))
+        ph.values["watching_s"] = self.wait_started(t_start)
+        t_new = self._wait(self.all_ready([fresh]), self.args.timeout, "the adapter created at the restart Ready")
+        ph.values["new_ready_s"] = _r(t_new - t_start, 2) if t_new else None
+        _log(f"  restart: watching after {ph.values['watching_s']} s, the new adapter Ready after "
+             f"{ph.values['new_ready_s']} s")
+        self.expected.add(fresh)
         self.settle(ph, t_start, lambda: self.all_ready(self.expected)() and
                     self.operator.log_count("Resuming is processed", position) >= resumed,
                     "every object resumed and every adapter Ready after the restart")
@@ -1081,7 +1111,7 @@ class Bench:
 
 def markdown(results: dict[str, Any]) -> str:
     head = ("| phase | kubectl s | all phased s | Ready s | quiet s | API requests | API writes | adapter status "
-            "PATCHes | writes by verb | operator CPU s | Redis cmds | new Events | ERROR lines |")
+            "PATCHes | writes by verb | operator CPU s | operator peak RSS MB | Redis cmds | new Events | ERROR lines |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
     def cell(x: Any) -> str:
@@ -1095,10 +1125,14 @@ def markdown(results: dict[str, Any]) -> str:
             row["api"]["total"], row["api"]["writes"],
             row["api"]["writes_by_resource"].get("patch loradeployments/status", 0),
             ", ".join(f"{k} {v}" for k, v in writes.most_common()) or "0",
-            row["operator_cpu_s"], row["redis_commands"]["total"], row["events_new"],
+            row["operator_cpu_s"], row.get("operator_peak_rss_mb"), row["redis_commands"]["total"], row["events_new"],
             row["log"]["error_lines"])) + " |")
     rest = next((r for r in results["phases"] if r["phase"] == "at rest"), None)
+    restart = next((r for r in results["phases"] if r["phase"] == "restart"), None)
     extra = []
+    if restart:
+        extra.append(f"Restart: watching LoRADeployments {restart.get('watching_s')} s after the operator started; "
+                     f"an adapter created then Ready after {restart.get('new_ready_s')} s.")
     if rest:
         extra.append(f"At rest: {rest['api_per_min']} API requests/min ({rest['api_writes_per_min']} writes), "
                      f"{rest['redis_per_min']} Redis commands/min.")

@@ -1,7 +1,9 @@
 """Batches across kopf's handlers without a worker thread each: a handler hands its item to a queue
 and awaits; one drain at a time takes everything queued so far and runs the batch function in a
-thread; whatever arrives meanwhile makes the next batch. So ten thousand LoRADeployments created at
-once are registered in batches as wide as the arrivals during one run, whatever kopf's worker count."""
+thread; whatever arrives meanwhile makes the next batch, which starts `gap_s` after the last one
+began at the earliest. So ten thousand LoRADeployments created at once are registered in batches as
+wide as the arrivals of one gap, whatever kopf's worker count, and a batch's fixed cost (a table
+version) is paid at most once a gap; a lone item after a quiet spell goes at once."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ R = TypeVar("R")
 
 
 class BatchQueue(Generic[T, R]):
-    def __init__(self, work: Callable[[Sequence[T]], Sequence[R]]) -> None:
+    def __init__(self, work: Callable[[Sequence[T]], Sequence[R]], gap_s: float = 0.0) -> None:
         self._work = work  # one result per item, in order
+        self._gap_s = gap_s
+        self._last_start = float("-inf")  # loop time
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
         self._drain_task: asyncio.Task[None] | None = None
         self.batches = 0  # batches run so far
@@ -30,7 +34,12 @@ class BatchQueue(Generic[T, R]):
         return await future
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending:
+            wait = self._last_start + self._gap_s - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._last_start = loop.time()
             batch, self._pending = self._pending, []
             try:
                 results = await asyncio.to_thread(self._work, [item for item, _ in batch])

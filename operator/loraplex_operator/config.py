@@ -25,6 +25,9 @@ class OperatorConfig:
     image_pull_secrets: tuple[str, ...] = ()  # of pools that name none themselves
     heartbeat_ttl_seconds: float = 15.0
     tick_seconds: float = 5.0  # how often each pool's timer wakes to check whether placement is due
+    # A pool's registrations (LoRADeployments created or changed) go in one batch, one table version,
+    # at most this often; the first after a quiet spell goes at once.
+    registration_batch_seconds: float = 1.0
     peering: str = "loraplex"
     # The operator's requests to the API server (both clients together): this many a second on
     # average and this many at once, to stay under its priority-and-fairness limits. 0: no limit.
@@ -42,6 +45,8 @@ class OperatorConfig:
                 validate_pool_name(secret)  # a DNS label, like every Secret name we accept
         if self.tick_seconds <= 0 or self.heartbeat_ttl_seconds <= 0:
             raise ValueError("tick and heartbeat TTL must be positive")
+        if self.registration_batch_seconds < 0:
+            raise ValueError(f"LORAPLEX_REGISTRATION_BATCH_SECONDS must be >= 0, got {self.registration_batch_seconds}")
         if self.kube_qps < 0 or self.kube_burst < 1:
             raise ValueError(f"LORAPLEX_KUBE_QPS must be >= 0 and LORAPLEX_KUBE_BURST >= 1, got {self.kube_qps} "
                              f"and {self.kube_burst}")
@@ -60,6 +65,8 @@ class OperatorConfig:
             image_pull_secrets=tuple(n for n in env.get("LORAPLEX_IMAGE_PULL_SECRETS", "").split(",") if n),
             heartbeat_ttl_seconds=float(env.get("LORAPLEX_HEARTBEAT_TTL", defaults.heartbeat_ttl_seconds)),
             tick_seconds=float(env.get("LORAPLEX_TICK_SECONDS", defaults.tick_seconds)),
+            registration_batch_seconds=float(env.get("LORAPLEX_REGISTRATION_BATCH_SECONDS",
+                                                     defaults.registration_batch_seconds)),
             peering=env.get("LORAPLEX_PEERING", defaults.peering),
             kube_qps=float(env.get("LORAPLEX_KUBE_QPS", defaults.kube_qps)),
             kube_burst=int(env.get("LORAPLEX_KUBE_BURST", defaults.kube_burst)),

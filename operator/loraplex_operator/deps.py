@@ -51,6 +51,9 @@ class Deps:
     refreshed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     # Pools whose objects the API server refused at the last apply: (reason, message) for their status.
     apply_failures: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Per pool, the queue of registrations its LoRADeployments' handlers await (made by handlers.py;
+    # here because kopf gives each object a copy of `memo`, and one queue must serve them all).
+    registrations: dict[str, Any] = field(default_factory=dict)
     _stores: dict[str, RoutingStore] = field(default_factory=dict)
     _routes: dict[str, PoolRoutes] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -24,7 +24,12 @@ from loraplex.spec.crd import (
     LoRADeploymentSpec,
     LoRADeploymentStatus,
 )
-from loraplex_operator.adapter_reconcile import Registered, Registration, register_adapters, unregister_adapter
+from loraplex_operator.adapter_reconcile import (
+    Registered,
+    Registration,
+    register_adapters,
+    unregister_adapter,
+)
 from loraplex_operator.adapter_status import Event
 from loraplex_operator.batching import BatchQueue
 from loraplex_operator.deps import Deps
@@ -158,12 +163,13 @@ def _fetch_pool(namespace: str, pool: str, deps: Deps) -> AdapterPoolSpec | None
     return _parse(AdapterPoolSpec, obj.get("spec")) if obj is not None else None
 
 
-def _registrations(memo: kopf.Memo, pool: str) -> BatchQueue[Registration, Registered]:
-    """The pool's queue of registrations (one batch, one table version)."""
-    queues = memo.setdefault("registrations", {})
-    if pool not in queues:
-        queues[pool] = BatchQueue(partial(register_adapters, pool, deps=memo.deps))
-    return queues[pool]
+def _registrations(deps: Deps, pool: str) -> BatchQueue[Registration, Registered]:
+    """The pool's queue of registrations (one batch, one table version); made in kopf's event loop."""
+    if pool not in deps.registrations:
+        deps.registrations[pool] = BatchQueue(partial(register_adapters, pool, deps=deps),
+                                              deps.config.registration_batch_seconds)
+    queue: BatchQueue[Registration, Registered] = deps.registrations[pool]
+    return queue
 
 
 @kopf.on.resume(*ADAPTERS)
@@ -180,7 +186,7 @@ async def adapter_changed(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
     deps.routes(parsed.pool).ready_pods = _ready_pods(ready_pods_by_pool, namespace, parsed.pool)
     indexed = list(pools_by_name.get((namespace, parsed.pool), []))
     pool = indexed[0] if indexed else await asyncio.to_thread(_fetch_pool, namespace, parsed.pool, deps)
-    done = await _registrations(memo, parsed.pool).submit(
+    done = await _registrations(deps, parsed.pool).submit(
         Registration(ref, meta.get("generation"), parsed, previous, pool))
     _write(deps, ref, patch, previous, done.outcome)
     if done.retry_after is not None:

@@ -80,17 +80,7 @@ class KubernetesApi:
         self._throttle = throttle or Throttle(0, 1)
 
     def _send(self, request: Callable[[], T]) -> T:
-        for backoff in (*THROTTLED_BACKOFFS, None):
-            time.sleep(self._throttle.delay())
-            try:
-                with _refusals():
-                    return request()
-            except KubeError as exc:
-                if exc.status != 429 or backoff is None:
-                    raise
-                self._throttle.throttled()
-                time.sleep(exc.retry_after if exc.retry_after is not None else backoff)
-        raise AssertionError("unreachable")
+        return throttled_call(request, self._throttle)
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self._dynamic.resources.get(api_version=api_version, kind=kind)
@@ -126,6 +116,22 @@ class KubernetesApi:
                 self._dynamic.patch(resource, body={"status": status}, name=ref.name, namespace=ref.namespace,
                                     content_type="application/merge-patch+json")
         self._send(patch)
+
+
+def throttled_call(request: Callable[[], T], throttle: Throttle, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Sends the request when the throttle says; one answered 429 is retried after the Retry-After it
+    names (else after the next of THROTTLED_BACKOFFS), counted in the throttle rather than logged."""
+    for backoff in (*THROTTLED_BACKOFFS, None):
+        sleep(throttle.delay())
+        try:
+            with _refusals():
+                return request()
+        except KubeError as exc:
+            if exc.status != 429 or backoff is None:
+                raise
+            throttle.throttled()
+            sleep(exc.retry_after if exc.retry_after is not None else backoff)
+    raise AssertionError("unreachable")
 
 
 @contextmanager

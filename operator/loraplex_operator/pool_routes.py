@@ -33,6 +33,16 @@ class PoolRoutes:
         self._lock = threading.Lock()
         self._sync = Coalescer(self._sync_once)
         self._controller: tuple[ControllerKey, PlacementController] | None = None
+        self._known: RoutingTable | None = None  # the last table read or published here
+
+    def current_table(self) -> RoutingTable | None:
+        """The pool's table: the one this operator last read or published while it is still the current
+        version (a version number costs one small read; decoding the table, all of it)."""
+        known = self._known
+        if known is not None and self.store.current_version() == known.version:
+            return known
+        self._known = self.store.read_table()
+        return self._known
 
     def serving(self, servers: list[ServerRecord]) -> list[ServerRecord]:
         if self.ready_pods is None:
@@ -66,12 +76,13 @@ class PoolRoutes:
         with self._lock:
             for _ in range(2):
                 servers = self.serving(self.store.healthy_servers())
-                table = self.store.read_table()
+                table = self.current_table()
                 new = edit(table, servers)
                 if new is None:
                     return table, servers
                 try:
                     self.store.publish_table(new)
+                    self._known = new
                     return new, servers
                 except StaleVersionError:
                     continue  # another writer (a peer taking over) published: edit its table

@@ -89,6 +89,37 @@ def test_adapter_registered_inspected_and_routed_at_once(world: World) -> None:
     assert world.events.reasons("sql") == ["Fetching"]  # the weights are in its message
 
 
+def test_adapters_created_together_are_registered_in_one_batch_and_one_table_version(world: World) -> None:
+    world.heartbeat("tiny", "tiny-0")
+    names = [f"a{i:03d}" for i in range(200)]  # far more than kopf's worker threads
+    for name in names:
+        world.create("LoRADeployment", name, {"pool": "tiny", "adapter": {"source": f"s3://b/{name}",
+                                                                           "sha256": "e" * 64, "rank": 8}},
+                     f"{name}-uid")
+    world.call_together(handlers.adapter_changed, "LoRADeployment", names)
+    table = world.stores["tiny"].read_table()
+    assert table.version == 1 and set(table.entries) == set(names)
+    assert {world.status("LoRADeployment", n)["phase"] for n in names} == {"Loading"}
+    assert world.deps.registrations["tiny"].batches == 1
+
+
+def test_a_restart_resumes_every_adapter_in_a_batch_writing_nothing(world: World) -> None:
+    world.heartbeat("tiny", "tiny-0")
+    names = [f"a{i:03d}" for i in range(100)]
+    for name in names:
+        world.create("LoRADeployment", name, {"pool": "tiny", "adapter": {"source": f"s3://b/{name}",
+                                                                           "sha256": "e" * 64, "rank": 8}},
+                     f"{name}-uid")
+    world.call_together(handlers.adapter_changed, "LoRADeployment", names)
+    before = {n: copy.deepcopy(world.kube.objects[("LoRADeployment", NS, n)]) for n in names}
+    world.memo = kopf.Memo(deps=type(world.deps)(**{**world.deps.__dict__, "written": {}, "refreshed": {},
+                                                    "registrations": {}, "_routes": {}}))  # a new process
+    world.call_together(handlers.adapter_changed, "LoRADeployment", names)  # kopf resumes each object
+    assert {n: world.kube.objects[("LoRADeployment", NS, n)] for n in names} == before  # no patch at all
+    assert world.stores["tiny"].read_table().version == 1  # no table published
+    assert world.memo.deps.registrations["tiny"].batches == 1
+
+
 def test_rank_above_the_pool_limit_fails_with_a_reason(world: World) -> None:
     world.create("LoRADeployment", "big", {"pool": "tiny", "adapter": {"source": "hf://big"}}, "big-uid")
     world.call(handlers.adapter_changed, "LoRADeployment", "big")

@@ -96,7 +96,8 @@ class World:
         self.stores: dict[str, InMemoryRoutingStore] = {}
         # The test server speaks http://; the inspector is told to treat it as the Hub endpoint.
         inspector = SourceInspector(hf_endpoint=base_url)
-        self.deps = Deps(OperatorConfig(), self.kube, self.events, self.clock, self._store, inspector)
+        # Registrations at once: each handler call runs its own event loop (no batch to wait for).
+        self.deps = Deps(OperatorConfig(registration_batch_seconds=0), self.kube, self.events, self.clock, self._store, inspector)
         self.memo = kopf.Memo(deps=self.deps)
         self.ready_pods: dict[str, set[str]] = {}  # pool -> pods whose Ready condition is True
 
@@ -114,13 +115,9 @@ class World:
         obj = self.kube.objects[(kind, NS, name)]
         body = kopf.Body(copy.deepcopy(obj))
         patch = kopf.Patch()
-        indexes = {"adapters_by_pool": self.index(), "pools_by_name": self.pools_index(),
-                   "ready_pods_by_pool": self.pods_index(), "statefulsets_by_pool": self.statefulsets_index(),
-                   **extra}
         token = _HANDLER_CONTEXT.set(name)
         try:
-            called = handler(body=body, spec=body.spec, meta=body.meta, status=body.status, name=name,
-                             namespace=NS, patch=patch, memo=self.memo, logger=None, **indexes)
+            called = handler(**self._kwargs(body, name, patch, {**self._indexes(), **extra}))
             if inspect.iscoroutine(called):  # an async handler: kopf awaits it in its loop
                 asyncio.run(called)
         finally:
@@ -129,6 +126,35 @@ class World:
                 merge(obj, dict(patch))
                 bump(obj)
         return patch
+
+    def call_together(self, handler: Any, kind: str, names: list[str]) -> None:
+        """Calls an async handler for each object at once in one event loop, as kopf does when the
+        objects' events arrive together (kopf runs one handler per object concurrently)."""
+        indexes = self._indexes()  # as kopf's indexes were when the events arrived
+
+        async def one(name: str) -> None:
+            obj = self.kube.objects[(kind, NS, name)]
+            body, patch = kopf.Body(copy.deepcopy(obj)), kopf.Patch()
+            _HANDLER_CONTEXT.set(name)  # in this task's own context
+            try:
+                await handler(**self._kwargs(body, name, patch, indexes))
+            finally:
+                if dict(patch):
+                    merge(obj, dict(patch))
+                    bump(obj)
+
+        async def every() -> None:
+            await asyncio.gather(*(one(name) for name in names))
+
+        asyncio.run(every())
+
+    def _indexes(self) -> dict[str, Any]:
+        return {"adapters_by_pool": self.index(), "pools_by_name": self.pools_index(),
+                "ready_pods_by_pool": self.pods_index(), "statefulsets_by_pool": self.statefulsets_index()}
+
+    def _kwargs(self, body: kopf.Body, name: str, patch: kopf.Patch, indexes: dict[str, Any]) -> dict[str, Any]:
+        return {"body": body, "spec": body.spec, "meta": body.meta, "status": body.status, "name": name,
+                "namespace": NS, "patch": patch, "memo": self.memo, "logger": None, **indexes}
 
     def index(self) -> dict[tuple[str, str], list[Any]]:
         out: dict[tuple[str, str], list[Any]] = {}

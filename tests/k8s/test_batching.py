@@ -1,0 +1,73 @@
+"""BatchQueue: handlers awaiting one pool's registrations are served in batches as wide as what
+arrived during the previous run, whatever the number of worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+from loraplex_operator.batching import BatchQueue
+
+
+def test_everything_queued_during_a_run_is_the_next_batch() -> None:
+    release = threading.Event()
+    batches: list[list[int]] = []
+
+    def work(items: Sequence[int]) -> list[int]:
+        batches.append(list(items))
+        if len(batches) == 1:
+            release.wait(5)  # the first batch runs while 500 more arrive
+        return [i * 10 for i in items]
+
+    async def main() -> list[int]:
+        queue: BatchQueue[int, int] = BatchQueue(work)
+        first = asyncio.ensure_future(queue.submit(0))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.ensure_future(queue.submit(i)) for i in range(1, 501)]
+        await asyncio.sleep(0.05)
+        release.set()
+        return [await first, *[await r for r in rest]]
+
+    results = asyncio.run(main())
+    assert results == [i * 10 for i in range(501)]
+    assert batches == [[0], list(range(1, 501))]  # two runs for 501 callers
+
+
+def test_a_failed_batch_fails_each_of_its_callers_and_the_next_batch_runs() -> None:
+    calls = []
+
+    def work(items: Sequence[str]) -> list[str]:
+        calls.append(list(items))
+        if len(calls) == 1:
+            raise RuntimeError("store down")
+        return list(items)
+
+    async def main() -> None:
+        queue: BatchQueue[str, str] = BatchQueue(work)
+        with pytest.raises(RuntimeError, match="store down"):
+            await queue.submit("a")
+        assert await queue.submit("b") == "b"
+
+    asyncio.run(main())
+    assert calls == [["a"], ["b"]]
+
+
+def test_batches_start_a_gap_apart_and_a_lone_item_goes_at_once() -> None:
+    starts: list[float] = []
+
+    def work(items: Sequence[int]) -> list[int]:
+        starts.append(time.monotonic())
+        return list(items)
+
+    async def main() -> None:
+        queue: BatchQueue[int, int] = BatchQueue(work, gap_s=0.3)
+        t0 = time.monotonic()
+        await queue.submit(1)  # nothing ran before: at once
+        assert starts[0] - t0 < 0.2
+        await asyncio.gather(queue.submit(2), queue.submit(3))  # one batch, a gap after the first
+        assert len(starts) == 2 and starts[1] - starts[0] >= 0.29
+
+    asyncio.run(main())
