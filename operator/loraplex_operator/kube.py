@@ -184,8 +184,8 @@ def throttled_session(info: Any, throttle: Throttle) -> Any:
     import kopf
 
     async def wait_turn(_session: Any, _ctx: Any, params: aiohttp.TraceRequestStartParams) -> None:
-        if params.url.query.get("watch") != "true":
-            await asyncio.sleep(throttle.delay())
+        if params.url.query.get("watch") != "true" and (delay := throttle.delay()) > 0:
+            await asyncio.sleep(delay)  # not even a yield without one: kopf may close the session meanwhile
 
     trace = aiohttp.TraceConfig()
     trace.on_request_start.append(wait_turn)

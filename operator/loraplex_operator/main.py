@@ -16,6 +16,7 @@ from loraplex.util.clock import WallClock
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.deps import Deps
 from loraplex_operator.inspect_source import SourceInspector
+from loraplex_operator.kopf_startup import share_toggle_waits
 from loraplex_operator.kube import KopfEvents, KubeError, KubernetesApi
 from loraplex_operator.throttle import QuietRetries, Throttle
 
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         target.addFilter(quiet)
     if not args.standalone:
         _start_peering(deps, peering, namespaces)
+    share_toggle_waits()
     # kopf makes peering mandatory whenever it is given a peering name: none when standalone.
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=args.standalone,
              priority=priority, peering_name=None if args.standalone else peering,
