@@ -54,6 +54,9 @@ class Deps:
     # Per pool, the queue of registrations its LoRADeployments' handlers await (made by handlers.py;
     # here because kopf gives each object a copy of `memo`, and one queue must serve them all).
     registrations: dict[str, Any] = field(default_factory=dict)
+    # Per pool, when its last tick ran and when its last batch of registrations did (clock time).
+    ticked: dict[str, float] = field(default_factory=dict)
+    registered: dict[str, float] = field(default_factory=dict)
     _stores: dict[str, RoutingStore] = field(default_factory=dict)
     _routes: dict[str, PoolRoutes] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar
@@ -42,12 +41,14 @@ from loraplex_operator.pool_reconcile import (
     apply_pool,
     forget_pool,
     pool_tick,
+    tick_due,
 )
 
 POOLS = (GROUP, VERSION, "adapterpools")
 ADAPTERS = (GROUP, VERSION, "loradeployments")
-# Each pool's timer wakes this often and places only when `placement.intervalSeconds` has passed.
-TICK_SECONDS = float(os.environ.get("LORAPLEX_TICK_SECONDS", "5"))
+# Each pool's timer wakes this often; it ticks when `tick_due` says (every LORAPLEX_TICK_SECONDS, and
+# each time while registrations are recent) and places only when `placement.intervalSeconds` has passed.
+TIMER_SECONDS = 1.0
 M = TypeVar("M", bound=CrdModel)
 
 
@@ -135,11 +136,15 @@ def adapters_by_pool(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name
     return {(namespace, parsed.pool): info}
 
 
-@kopf.timer(*POOLS, interval=TICK_SECONDS, initial_delay=1.0)
+@kopf.timer(*POOLS, interval=TIMER_SECONDS, initial_delay=1.0)
 def pool_timer(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str, namespace: str,
                patch: kopf.Patch, memo: kopf.Memo, adapters_by_pool: kopf.Index, ready_pods_by_pool: kopf.Index,
                statefulsets_by_pool: kopf.Index, **_: Any) -> None:
     deps: Deps = memo.deps
+    now = deps.clock.now()
+    if not tick_due(now, deps.ticked.get(name), deps.registered.get(name), deps.config.tick_seconds):
+        return
+    deps.ticked[name] = now
     ref = _pool_ref(meta, name, namespace)
     parsed = _spec(AdapterPoolSpec, spec)
     if (namespace, name) not in statefulsets_by_pool and status.get("appliedHash"):

@@ -346,6 +346,15 @@ class _Decision:
     scale: ScaleDecision
 
 
+def tick_due(now: float, last_tick: float | None, last_batch: float | None, tick_s: float) -> bool:
+    """Whether the pool's timer (it wakes every second) runs a tick now: every `tick_s`, and every
+    wake-up while registrations are recent (within `tick_s`), so that an adapter turns Ready about a
+    second after its servers report it, not up to a whole tick later."""
+    if last_tick is None or now - last_tick >= tick_s:
+        return True
+    return last_batch is not None and now - last_batch <= tick_s
+
+
 def pool_tick(ref: ObjectRef, generation: int | None, spec: AdapterPoolSpec, previous: AdapterPoolStatus | None,
               deployments: Sequence[DeploymentInfo], ready_pods: frozenset[str], deps: Deps) -> TickResult:
     """Observe (sync the registry and the table, place when due), decide (servers required, failure,

@@ -71,3 +71,14 @@ def test_batches_start_a_gap_apart_and_a_lone_item_goes_at_once() -> None:
         assert len(starts) == 2 and starts[1] - starts[0] >= 0.29
 
     asyncio.run(main())
+
+
+def test_the_pool_ticks_every_tick_seconds_and_every_second_while_registrations_are_recent() -> None:
+    from loraplex_operator.pool_reconcile import tick_due
+
+    assert tick_due(100.0, None, None, 5.0)  # never ticked
+    assert not tick_due(101.0, 100.0, None, 5.0)  # at rest: once every 5 s
+    assert tick_due(105.0, 100.0, None, 5.0)
+    assert tick_due(101.0, 100.0, 99.5, 5.0)  # a batch just ran: its adapters turn Ready soon
+    assert tick_due(104.0, 103.0, 99.5, 5.0)
+    assert not tick_due(106.0, 105.5, 99.5, 5.0)  # the batch is older than a tick: back to rest
