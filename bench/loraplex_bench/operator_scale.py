@@ -4,9 +4,12 @@ A measurement, not a test: nothing here asserts a time. In a fresh namespace it 
 redis-server, the operator as a user starts it (`loraplex operator --standalone --namespace NS
 --redis-url URL`, or `--operator-cmd`), one AdapterPool of two fixed CPU servers and K heartbeating
 test agents (threads of this process: each waits for its StatefulSet pod, marks it Ready through the
-pod's status subresource, since no kubelet runs them (their nodeSelector matches no node), and heartbeats a ServerRecord that reports the
-adapters the current routing table assigns to it). Then N LoRADeployments are created with one
-`kubectl create -f`, and single and bulk changes, a quiet minute and a restart of the operator follow.
+pod's status subresource, since no kubelet runs it (its nodeSelector matches no node), and
+heartbeats a ServerRecord that reports the adapters the current routing table assigns to it). Then
+N LoRADeployments are created with one `kubectl create -f`, and single and bulk changes, a quiet
+minute and a restart of the operator follow; one more adapter is created as the operator restarts
+(how soon it watches again and turns a new adapter Ready). Each phase reports the operator's peak
+resident memory.
 
 How the operator is told apart:
 - API requests: the operator runs with its own ServiceAccount token (a kubeconfig written for it,
