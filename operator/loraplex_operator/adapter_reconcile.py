@@ -110,7 +110,8 @@ def register_adapters(pool: str, batch: Sequence[Registration], deps: Deps) -> l
     same), then all of them routed by at most one new table version. The work per batch is that of
     its adapters plus one copy of the table, whatever the pool holds."""
     now = deps.clock.now()
-    deps.registered[pool] = now
+    if batch:  # the pool ticks every second for a while (tick_due)
+        deps.registered[pool] = now
     prepared = [_prepare(r, deps, now) for r in batch]
     records = [p for p in prepared if isinstance(p, AdapterRecord)]
     table: RoutingTable | None = None

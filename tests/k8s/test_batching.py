@@ -82,3 +82,19 @@ def test_the_pool_ticks_every_tick_seconds_and_every_second_while_registrations_
     assert tick_due(101.0, 100.0, 99.5, 5.0)  # a batch just ran: its adapters turn Ready soon
     assert tick_due(104.0, 103.0, 99.5, 5.0)
     assert not tick_due(106.0, 105.5, 99.5, 5.0)  # the batch is older than a tick: back to rest
+
+
+def test_an_empty_batch_is_no_registration(tmp_path: object) -> None:
+    from loraplex_operator.adapter_reconcile import register_adapters
+    from loraplex_operator.config import OperatorConfig
+    from loraplex_operator.deps import Deps
+    from loraplex_operator.inspect_source import SourceInspector
+
+    from loraplex.routing import InMemoryRoutingStore
+    from loraplex.util.clock import ManualClock
+
+    clock = ManualClock(10.0)
+    deps = Deps(OperatorConfig(), None, None, clock, lambda pool: InMemoryRoutingStore(pool, clock),  # type: ignore[arg-type]
+                SourceInspector())
+    assert register_adapters("tiny", [], deps) == []
+    assert "tiny" not in deps.registered  # the tick's re-registration of nobody: the pool stays at rest
