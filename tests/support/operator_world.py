@@ -115,6 +115,8 @@ class World:
         obj = self.kube.objects[(kind, NS, name)]
         body = kopf.Body(copy.deepcopy(obj))
         patch = kopf.Patch()
+        if handler is handlers.pool_timer:  # each call is a tick here (tick_due is tested on its own)
+            self.memo.deps.ticked.clear()
         token = _HANDLER_CONTEXT.set(name)
         try:
             called = handler(**self._kwargs(body, name, patch, {**self._indexes(), **extra}))
