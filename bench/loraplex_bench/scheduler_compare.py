@@ -73,7 +73,7 @@ from loraplex.sim.replay import (
 )
 from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest, requests_from
-from loraplex.sim.workload import Adapters, adapter_ranks
+from loraplex.sim.workload import Adapters, WorkloadSpec, adapter_ranks, generate
 from loraplex.spec.adapter import AdapterId
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import ManualClock
@@ -124,8 +124,13 @@ class RunResult:
     squashes: int = 0
     bypasses: int = 0
     predictor_rel_error: float | None = None
+    wait_p99_s: float | None = None  # arrival to admission: the part of TTFT an admission order decides
+    small_ttft_p99_s: float | None = None  # of the requests below the median prompt + output length
+    admission_limits: dict[str, int] = field(default_factory=dict)  # waiting steps by what ended admission
     p99_ttft_vs_fifo: float | None = None
     goodput_vs_fifo: float | None = None
+    p50_ttft_vs_fifo: float | None = None
+    small_p99_vs_fifo: float | None = None
 
 
 @dataclass
@@ -177,6 +182,41 @@ def unit_trace(spec: TraceSpec, traces_dir: str | None = None) -> Trace:
     rows = ((float(t), names[a], int(ranks[a]), int(p), int(o))
             for t, a, p, o in zip(times, chosen, prompt, output, strict=True))
     return Trace(requests_from(rows), {"duration_s": float(spec.requests), "rps": 1.0, **asdict(spec)})
+
+
+# Workloads the schedulers were not tuned on (issue 28): the workload generator's, at 1 request/s (the
+# run sets the seed, the length and the scale). "paper" is `TraceSpec`, the paper's evaluation shape.
+PAPER_WORKLOAD = "paper"
+GENERATED: dict[str, WorkloadSpec] = {
+    "conv-200x8-32": WorkloadSpec(adapters=Adapters(count=200, ranks=[8, 16, 32],
+                                                    popularity=Popularity(mode="zipf", zipf_s=1.0))),
+    "code-200x8-32": WorkloadSpec(lengths=Lengths(profile="azure23_code"),
+                                  adapters=Adapters(count=200, ranks=[8, 16, 32],
+                                                    popularity=Popularity(mode="zipf", zipf_s=1.0))),
+    "conv-bursty-100x8-128": WorkloadSpec(arrivals=Arrivals(process="gamma", cv=3.0),
+                                          adapters=Adapters(count=100, ranks=[8, 16, 32, 64, 128])),
+    "uniform-50x16-128": WorkloadSpec(lengths=Lengths(profile="uniform", uniform_range=(8, 2048)),
+                                      adapters=Adapters(count=50, ranks=[16, 64, 128], rank_weights=[0.6, 0.3, 0.1],
+                                                        popularity=Popularity(mode="zipf", zipf_s=1.5))),
+    "code-1000x8-128": WorkloadSpec(seed=1, lengths=Lengths(profile="azure23_code"),
+                                    adapters=Adapters(count=1000, ranks=[8, 16, 32, 64, 128],
+                                                      popularity=Popularity(mode="zipf", zipf_s=0.8))),
+}
+WORKLOADS = (PAPER_WORKLOAD, *GENERATED)
+
+
+def unit_workload(name: str, spec: TraceSpec, traces_dir: str | None = None) -> Trace:
+    """Workload `name` at 1 request/s with `spec`'s length, seed, scale and context."""
+    if name == PAPER_WORKLOAD:
+        return unit_trace(spec, traces_dir)
+    base = GENERATED[name]
+    lengths = base.lengths.model_copy(update={"scale": spec.length_scale, "max_model_len": spec.max_model_len})
+    workload = base.model_copy(update={"seed": base.seed + spec.seed, "duration_s": float(spec.requests),
+                                       "rps": 1.0, "lengths": lengths})
+    try:
+        return generate(workload, traces_dir)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def adapter_names_ranks(spec: TraceSpec) -> tuple[list[str], np.ndarray]:
@@ -313,7 +353,21 @@ def measure(core: EngineCore, log: ReplayLog, trace: Trace, scheduler: str, rps:
         summary.ttft_s.get("p50"), summary.ttft_s.get("p99"), summary.tpot_s.get("p50"),
         summary.throughput_tokens_per_s, good / elapsed, summary.slo_attainment or 0.0, jain, spread,
         stats.num_preemptions, stats.num_squashes, stats.num_bypasses,
-        stats.predictor.mean_rel_error if stats.predictor else None)
+        stats.predictor.mean_rel_error if stats.predictor else None,
+        *wait_and_small_p99(log.requests), admission_limits=stats.admission_limits)
+
+
+def wait_and_small_p99(requests: list[Request]) -> tuple[float | None, float | None]:
+    """(P99 of arrival-to-admission, P99 TTFT of the requests below the median size)."""
+    started = [r for r in requests if r.first_token_time is not None]
+    if not started:
+        return None, None
+    waits = [r.first_scheduled_time - r.arrival_time for r in started if r.first_scheduled_time is not None]
+    median = float(np.median([r.num_prompt_tokens + len(r.output_token_ids) for r in started]))
+    small = [r.first_token_time - r.arrival_time for r in started
+             if r.num_prompt_tokens + len(r.output_token_ids) < median]
+    return (float(np.percentile(waits, 99)) if waits else None,
+            float(np.percentile(small, 99)) if small else None)
 
 
 def fairness(results: list[RequestResult]) -> tuple[float | None, float | None]:
@@ -367,6 +421,8 @@ def add_ratios(block: Block) -> None:
         if base is not None:
             r.p99_ttft_vs_fifo = _ratio(r.ttft_p99_s, base.ttft_p99_s)
             r.goodput_vs_fifo = _ratio(r.goodput_tokens_per_s, base.goodput_tokens_per_s)
+            r.p50_ttft_vs_fifo = _ratio(r.ttft_p50_s, base.ttft_p50_s)
+            r.small_p99_vs_fifo = _ratio(r.small_ttft_p99_s, base.small_ttft_p99_s)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -427,6 +483,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_plots_arg(p, "TTFT p99, TBT p50, throughput, goodput and SLO attainment against the load, per scheduler, "
                   "for each side and memory policy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", default=PAPER_WORKLOAD, metavar="NAME,...|all",
+                   help=f"twin workloads, each with its own saturation, SLO and table: {', '.join(WORKLOADS)} "
+                        "(paper: the flags below; the others: the workload generator's, not tuned on)")
     p.add_argument("--schedulers", default=",".join(DEFAULT_SCHEDULERS), help="comma-separated; fifo is required")
     p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of FIFO's saturation rate")
     p.add_argument("--memory-policy", default="unified",
@@ -518,8 +577,17 @@ def check_options(options: dict[str, dict[str, str]]) -> None:
             raise CommandError(f"--scheduler-option {name}: {exc}") from None
 
 
+def workloads_of(args: argparse.Namespace) -> list[str]:
+    names = list(WORKLOADS) if args.workloads == "all" else parse_list(args.workloads, "--workloads", str)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise CommandError(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)} or all")
+    return list(dict.fromkeys(names))
+
+
 def check_args(args: argparse.Namespace) -> None:
     schedulers_of(args)
+    workloads_of(args)
     check_options(scheduler_options(args))
     policies = parse_list(args.memory_policy, "--memory-policy", str)
     if set(policies) - set(MEMORY_POLICIES):
@@ -566,19 +634,22 @@ def run_twin(args: argparse.Namespace) -> list[Block]:
         profile = load_profile(args.profile)
     except (FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    trace = unit_trace(trace_spec(args, "twin", int(profile.engine["max_model_len"])), args.traces_dir)
+    spec = trace_spec(args, "twin", int(profile.engine["max_model_len"]))
     blocks = []
-    for policy in parse_list(args.memory_policy, "--memory-policy", str):
-        twin = TwinSide(profile, args, policy)
-        block = Block("twin", policy, {"profile": profile.name, "requests": len(trace.requests),
-                                       "length_scale": args.length_scale, "max_tokens": args.max_tokens,
-                                       "max_lora_rank": args.max_lora_rank, "spec": trace.workload},
-                      baseline_policy=policy_of(args, policy, BASELINE))
-        twin.calibrate(block, trace)
-        loads = parse_list(args.loads, "--loads", float)
-        sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
-              args.slo_throughput == "search")
-        blocks.append(block)
+    for workload in workloads_of(args):
+        trace = unit_workload(workload, spec, args.traces_dir)
+        for policy in parse_list(args.memory_policy, "--memory-policy", str):
+            twin = TwinSide(profile, args, policy)
+            block = Block("twin", policy, {"workload": workload, "profile": profile.name,
+                                           "requests": len(trace.requests), "length_scale": args.length_scale,
+                                           "max_tokens": args.max_tokens, "max_lora_rank": args.max_lora_rank,
+                                           "spec": trace.workload},
+                          baseline_policy=policy_of(args, policy, BASELINE))
+            twin.calibrate(block, trace)
+            loads = parse_list(args.loads, "--loads", float)
+            sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
+                  args.slo_throughput == "search")
+            blocks.append(block)
     return blocks
 
 
@@ -659,6 +730,22 @@ def print_block(block: Block) -> None:
     print_slo_throughput(block)
 
 
+def print_ratios(blocks: list[Block]) -> None:
+    """Every run against FIFO at the same load, one line each: the scheduler-only summary (issue 28)."""
+    print("\n== ratios to FIFO at the same load (each block's own FIFO; < 1 is better)")
+    print(f"{'side':<7}{'workload':<23}{'memory':<12}{'load':>5} {'scheduler':<10}{'p99 TTFT':>9}{'p50 TTFT':>9}"
+          f"{'small p99':>10}{'wait p99 s':>11}  waiting steps by limit")
+    for block in blocks:
+        workload = block.settings.get("workload", PAPER_WORKLOAD)
+        for r in block.runs:
+            limits = " ".join(f"{k}={v}" for k, v in sorted(r.admission_limits.items(), key=lambda kv: -kv[1]))
+            print(f"{block.side:<7}{workload:<23}{block.memory_policy:<12}{r.load:>5.2f} {r.scheduler:<10}"
+                  f"{_num(r.p99_ttft_vs_fifo, '.2f'):>9}{_num(r.p50_ttft_vs_fifo, '.2f'):>9}"
+                  f"{_num(r.small_p99_vs_fifo, '.2f'):>10}{_num(r.wait_p99_s, '.3f'):>11}  {limits}")
+    print("(small p99: TTFT P99 of the requests below the median prompt + output; wait: arrival to admission; "
+          "limits: steps that left requests waiting, by what ended admission — budget, seats, kv, adapter, policy)")
+
+
 def print_slo_throughput(block: Block) -> None:
     how = {"search": "bisection", "grid": "the best of the loads run"}
     parts = []
@@ -704,6 +791,7 @@ def run(args: argparse.Namespace) -> int:
         blocks += _engine_side()(args)
     for block in blocks:
         print_block(block)
+    print_ratios(blocks)
     if args.json:
         write_json(Path(args.json), args, blocks)
     if args.plots:

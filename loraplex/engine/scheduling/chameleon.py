@@ -632,4 +632,5 @@ class ChameleonScheduler(BatchScheduler):
             policy=self.policy, queues=queues, num_preemptions=self.num_preemptions,
             num_squashes=self.num_squashes, num_bypasses=self.num_bypasses, num_refreshes=self.num_refreshes,
             overloaded=self.overloaded, token_pool=self.token_pool, spare_held_tokens=self._spare_tokens,
-            predictor=self.predictor.stats(), adapter_service=dict(self.adapter_service))
+            predictor=self.predictor.stats(), adapter_service=dict(self.adapter_service),
+            admission_limits=dict(self.admission_limits))
