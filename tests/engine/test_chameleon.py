@@ -186,6 +186,23 @@ def test_a_bypasser_is_squashed_when_its_memory_would_let_the_head_start_first()
     assert r2.status is RequestStatus.FINISHED and len(r2.output_token_ids) == 4
 
 
+def test_a_head_whose_adapter_is_being_copied_in_is_passed_over_not_blocked():
+    """Its memory is granted and the copy is in flight (unified pool): the requests behind it start, as
+    under FIFO, and nothing counts as a bypass; it starts when the copy lands."""
+    core, _, clock = make_core(options={**STATIC, "max_bypasses": 0}, memory_policy="unified", num_blocks=2048)
+    core.scheduler.configure([], quota_tokens=[4096])
+    warm = add(core, req("w", 4, 1, "a"))[0]
+    drain(core, clock)
+    assert warm.is_finished
+    cold, ready = add(core, req("cold", 4, 4, "e"), req("ready", 4, 4, "a"))
+    core.step()
+    assert core.memory.loading(cold.adapter) and not is_running(cold)
+    assert is_running(ready)
+    assert core.scheduler.stats().num_bypasses == 0 and not core.scheduler._blocked
+    drain(core, clock)
+    assert cold.is_finished
+
+
 def test_a_head_blocked_long_enough_gets_the_memory_that_frees_first():
     core, clock, (la, lc, r1, r2, r3, r4, r5) = bypass_setup(reserve_after_s=0.05)
     sched = core.scheduler

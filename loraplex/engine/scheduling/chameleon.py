@@ -328,7 +328,8 @@ class ChameleonScheduler(BatchScheduler):
     def _put(self, q: int, avail_tokens: int, avail_seats: int, where: int, out: SchedulerOutput,
              step: _Step) -> tuple[int, int]:
         """Admit from queue `q` in arrival order within `avail_*`, charging `where`; stop at the first
-        request that does not fit. A head blocked on adapter memory may be bypassed."""
+        request that does not fit. A head blocked on adapter memory may be bypassed; one whose
+        adapter is being copied in (it has its memory) is passed over for the step, as FIFO does."""
         queue, max_seqs = self.queues[q], self.config.max_num_seqs
         used_tokens = used_seats = 0
         blocked: _Blocked | None = None
@@ -342,8 +343,8 @@ class ChameleonScheduler(BatchScheduler):
             if (used_tokens + charge > avail_tokens or used_seats + 1 > avail_seats
                     or self._held_total + charge > self.token_pool):
                 break
-            if i > 0 and not self._may_bypass(blocked, entry, avail_tokens - used_tokens - charge,
-                                              avail_seats - used_seats - 1, q):
+            if blocked is not None and not self._may_bypass(blocked, entry, avail_tokens - used_tokens - charge,
+                                                            avail_seats - used_seats - 1, q):
                 i, scanned = i + 1, scanned + 1
                 if scanned >= self.options.bypass_scan:
                     break
@@ -354,7 +355,7 @@ class ChameleonScheduler(BatchScheduler):
                 self._borrow(entry, where, charge)
                 used_tokens += charge
                 used_seats += 1
-                if i > 0 and blocked is not None:
+                if blocked is not None:
                     if entry not in blocked.bypassers:  # a squashed or preempted one may pass again
                         blocked.bypassers.append(entry)
                     blocked.num_bypasses += 1
@@ -365,7 +366,7 @@ class ChameleonScheduler(BatchScheduler):
             if admit is Admit.NO_KV:
                 step.stopped = True
                 break
-            if i == 0:  # the head cannot get adapter memory
+            if i == 0 and not self.gate.loading(entry.request.adapter):  # the head cannot get adapter memory
                 blocked = self._block(q, entry)
                 if blocked is None:
                     break
