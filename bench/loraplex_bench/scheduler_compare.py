@@ -127,6 +127,7 @@ class RunResult:
     wait_p99_s: float | None = None  # arrival to admission: the part of TTFT an admission order decides
     small_ttft_p99_s: float | None = None  # of the requests below the median prompt + output length
     admission_limits: dict[str, int] = field(default_factory=dict)  # waiting steps by what ended admission
+    ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
     p99_ttft_vs_fifo: float | None = None
     goodput_vs_fifo: float | None = None
     p50_ttft_vs_fifo: float | None = None
@@ -354,7 +355,18 @@ def measure(core: EngineCore, log: ReplayLog, trace: Trace, scheduler: str, rps:
         summary.throughput_tokens_per_s, good / elapsed, summary.slo_attainment or 0.0, jain, spread,
         stats.num_preemptions, stats.num_squashes, stats.num_bypasses,
         stats.predictor.mean_rel_error if stats.predictor else None,
-        *wait_and_small_p99(log.requests), admission_limits=stats.admission_limits)
+        *wait_and_small_p99(log.requests), admission_limits=stats.admission_limits,
+        ttft_p99_over_time_s=p99_over_time(results, trace_duration(trace)))
+
+
+def p99_over_time(results: list[RequestResult], duration_s: float, windows: int = 5) -> list[float | None]:
+    """P99 TTFT of the requests arriving in each of `windows` equal parts of the arrival window (the
+    paper's Fig. 15: does the tail grow without bound?); a request not started counts as infinite."""
+    parts: list[list[float]] = [[] for _ in range(windows)]
+    for r in results:
+        i = min(windows - 1, int(r.arrival_s / duration_s * windows)) if duration_s > 0 else 0
+        parts[i].append(math.inf if r.ttft_s is None else r.ttft_s)
+    return [float(np.percentile(p, 99)) if p else None for p in parts]
 
 
 def wait_and_small_p99(requests: list[Request]) -> tuple[float | None, float | None]:
@@ -512,6 +524,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--profile", default="whatif-h100-llama8b", help="profile name or file")
     t.add_argument("--requests", type=int, default=2000, help="requests of the trace (twin)")
     t.add_argument("--length-scale", type=float, default=1.0, help="multiply token counts (twin)")
+    t.add_argument("--saturation-rps", type=float, default=None,
+                   help="the rate loads are fractions of, for every twin block (default: each block's FIFO "
+                        "saturation, measured); pins the blocks of several memory policies to one baseline's rate")
     t.add_argument("--unloaded-requests", type=int, default=200, help="requests timed alone for the SLO (twin)")
     t.add_argument("--slo-throughput", choices=["search", "grid"], default="search",
                    help="throughput at the SLO by bisection, or the best of --loads (twin; the engine uses grid)")
@@ -602,7 +617,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise CommandError(f"--ranks must be >= 1 and at most --max-lora-rank {args.max_lora_rank}, not {args.ranks!r}")
     if args.max_tokens not in ("context", "exact") and not (args.max_tokens.isdigit() and int(args.max_tokens) > 0):
         raise CommandError(f"--max-tokens must be context, exact or a positive integer, not {args.max_tokens!r}")
-    positive = ("adapters", "requests", "unloaded_requests", "engine_requests", "engine_unloaded_requests",
+    positive = ("adapters", "requests", "saturation_rps", "unloaded_requests", "engine_requests", "engine_unloaded_requests",
                 "slo_factor", "length_scale", "engine_length_scale", "engine_max_num_seqs",
                 "engine_max_batched_tokens", "engine_saturation_rps", "engine_num_blocks", "emulate_h2d_gbps",
                 "threads", "max_loras")
@@ -692,6 +707,9 @@ class TwinSide:
         """The SLO (from FIFO unloaded) and FIFO's saturation rate."""
         core, _, ids = self.engine(BASELINE, trace)
         set_slo(block, core, trace.requests[:self.args.unloaded_requests], ids, sim_prompt, self.args)
+        if self.args.saturation_rps:
+            block.saturation_rps, block.saturation_method = self.args.saturation_rps, "given (--saturation-rps)"
+            return
         stage(f"twin ({self.policy}): FIFO's saturation rate ...")
         with cyclic_gc_paused():  # FIFO never reads max_tokens, so simulate_server's exact ones serve
             block.saturation_rps = saturation_rps(self.profile, lambda rps: at_rate(trace, rps), self.config(BASELINE))
@@ -739,11 +757,24 @@ def print_ratios(blocks: list[Block]) -> None:
         workload = block.settings.get("workload", PAPER_WORKLOAD)
         for r in block.runs:
             limits = " ".join(f"{k}={v}" for k, v in sorted(r.admission_limits.items(), key=lambda kv: -kv[1]))
-            print(f"{block.side:<7}{workload:<23}{block.memory_policy:<12}{r.load:>5.2f} {r.scheduler:<10}"
+            memory = block.baseline_policy if r.scheduler == BASELINE else block.memory_policy
+            print(f"{block.side:<7}{workload:<23}{memory:<12}{r.load:>5.2f} {r.scheduler:<10}"
                   f"{_num(r.p99_ttft_vs_fifo, '.2f'):>9}{_num(r.p50_ttft_vs_fifo, '.2f'):>9}"
                   f"{_num(r.small_p99_vs_fifo, '.2f'):>10}{_num(r.wait_p99_s, '.3f'):>11}  {limits}")
     print("(small p99: TTFT P99 of the requests below the median prompt + output; wait: arrival to admission; "
           "limits: steps that left requests waiting, by what ended admission — budget, seats, kv, adapter, policy)")
+
+
+def print_over_time(blocks: list[Block]) -> None:
+    """P99 TTFT per fifth of the arrival window at each block's highest load (the paper's Fig. 15)."""
+    print("\n== P99 TTFT (s) over time at the highest load, per fifth of the arrival window")
+    for block in blocks:
+        top = max((r.load for r in block.runs), default=None)
+        workload = block.settings.get("workload", PAPER_WORKLOAD)
+        for r in (r for r in block.runs if r.load == top):
+            cells = " ".join(f"{_num(v, '.2f'):>7}" for v in r.ttft_p99_over_time_s)
+            memory = block.baseline_policy if r.scheduler == BASELINE else block.memory_policy
+            print(f"{block.side:<7}{workload:<23}{memory:<12}{r.load:>5.2f} {r.scheduler:<10}{cells}")
 
 
 def print_slo_throughput(block: Block) -> None:
@@ -792,6 +823,7 @@ def run(args: argparse.Namespace) -> int:
     for block in blocks:
         print_block(block)
     print_ratios(blocks)
+    print_over_time(blocks)
     if args.json:
         write_json(Path(args.json), args, blocks)
     if args.plots:

@@ -101,6 +101,22 @@ def test_a_head_waiting_longer_than_max_wait_borrows_what_nobody_holds(max_wait_
     assert sched._held_total == 0
 
 
+def test_without_max_wait_a_head_ages_at_aging_factor_times_the_recent_mean_wait():
+    core, _, clock = make_core(options={**STATIC, "aging_factor": 3.0, "slo_s": 10.0})
+    sched = core.scheduler
+    assert sched.max_wait_s() == 5.0  # nothing admitted yet: half of slo_s
+    sched.configure([0.01], quota_tokens=[16, 100])
+    r = add(core, small(0))[0]
+    clock.advance(0.5)
+    core.step()
+    assert is_running(r) and sched.max_wait_s() == pytest.approx(1.5)  # 3 x the one wait seen
+    clock.advance(100.0)
+    add(core, large(0))
+    clock.advance(30.0)
+    core.step()
+    assert sched.max_wait_s() == 5.0  # never beyond half of slo_s
+
+
 def test_seats_are_split_so_no_queue_takes_them_all():
     core, _, _ = make_core(options=STATIC, max_num_seqs=4)
     sched = core.scheduler

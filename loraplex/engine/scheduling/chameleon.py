@@ -87,8 +87,9 @@ class ChameleonOptions:
     reserve_after_s: float = 1.0  # a head blocked this long gets memory reserved (one at a time)
     bypass_scan: int = 64  # younger requests looked at per blocked head and step
     # a queue head waiting longer goes before the smaller queues and may borrow what nobody holds
-    # (None: half of slo_s; 0: off, the paper's order alone)
+    # (None: aging_factor x the recent mean wait, at most half of slo_s; 0: off, the paper's order alone)
     max_wait_s: float | None = None
+    aging_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("refresh_s", "shift_window_s", "slo_s", "default_service_s", "elbow_gain"):
@@ -101,6 +102,8 @@ class ChameleonOptions:
                              "reserve_after_s >= 0")
         if self.max_wait_s is not None and self.max_wait_s < 0:
             raise ValueError("chameleon option max_wait_s must be >= 0 (0: off)")
+        if not self.aging_factor > 0:
+            raise ValueError("chameleon option aging_factor must be positive")
         if self.quota_split not in ("min", "equal"):
             raise ValueError(f"quota_split {self.quota_split!r} is not 'min' or 'equal'")
 
@@ -148,7 +151,7 @@ class ChameleonScheduler(BatchScheduler):
         super().__init__(config, memory, rank_of, clock)
         options, predictor_options = options_for(config.scheduler_options, ChameleonOptions, PredictorOptions)
         self.options: ChameleonOptions = options
-        self.max_wait_s = options.slo_s / 2 if options.max_wait_s is None else options.max_wait_s
+        self._recent_wait: float | None = None  # mean arrival-to-admission wait, recent (all queues)
         self.predictor = predictor or OutputLengthPredictor(predictor_options)
         self.gate: MemoryGate = gate or PageGate(memory)
         self.size = SizeModel(max_in=config.max_model_len, max_out=config.max_model_len,
@@ -303,11 +306,21 @@ class ChameleonScheduler(BatchScheduler):
         if step.stopped:
             self._starved = {q for q in range(k) if q not in served and self.queues[q]}
 
+    def max_wait_s(self) -> float:
+        """How long a queue head may wait before it goes first: `max_wait_s` when set, else
+        `aging_factor` x the recent mean wait (so a size class is never held back much longer than
+        the load makes everyone wait), at most half of `slo_s`."""
+        options = self.options
+        if options.max_wait_s is not None:
+            return options.max_wait_s
+        cap = options.slo_s / 2
+        return cap if self._recent_wait is None else min(cap, options.aging_factor * self._recent_wait)
+
     def _aged_queues(self) -> list[int]:
         """Queues whose head has waited longer than `max_wait_s`, oldest head first: they are served
         before the smaller queues, so a steady stream of small requests cannot hold a large one back
         for longer than that (the tail the size order alone would stretch)."""
-        limit = self.max_wait_s
+        limit = self.max_wait_s()
         if limit <= 0:
             return []
         now = self.clock.now()
@@ -319,7 +332,7 @@ class ChameleonScheduler(BatchScheduler):
         """An aged queue whose quota is used up borrows what nobody holds (charged to the spare, so
         the pool is never over-lent); returns the seats it took."""
         queue = self.queues[q]
-        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s:
+        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s():
             return 0
         free_tokens = self.token_pool - self._held_total
         free_seats = self.config.max_num_seqs - len(self.running)
@@ -390,8 +403,9 @@ class ChameleonScheduler(BatchScheduler):
             now = self.clock.now()
             entry.admitted_at = now
             if first:
-                wait, mean = now - request.arrival_time, self._mean_wait[q]
+                wait, mean, recent = now - request.arrival_time, self._mean_wait[q], self._recent_wait
                 self._mean_wait[q] = wait if mean is None else mean + 0.1 * (wait - mean)
+                self._recent_wait = wait if recent is None else recent + 0.05 * (wait - recent)
         return admit
 
     # ---- bypass, reservation and squash -------------------------------------------------------
