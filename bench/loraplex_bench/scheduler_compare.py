@@ -496,8 +496,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                   "for each side and memory policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default=PAPER_WORKLOAD, metavar="NAME,...|all",
-                   help=f"twin workloads, each with its own saturation, SLO and table: {', '.join(WORKLOADS)} "
-                        "(paper: the flags below; the others: the workload generator's, not tuned on)")
+                   help=f"workloads, each with its own saturation, SLO and table: {', '.join(WORKLOADS)} "
+                        "(paper: the flags below; the others: the workload generator's, not tuned on); both sides")
     p.add_argument("--schedulers", default=",".join(DEFAULT_SCHEDULERS), help="comma-separated; fifo is required")
     p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of FIFO's saturation rate")
     p.add_argument("--memory-policy", default="unified",

@@ -25,6 +25,15 @@ def test_sjf_admits_by_predicted_output():
     assert core.scheduler.stats().predictor.observations == 3
 
 
+def test_sjf_by_prompt_admits_the_shortest_prompt_first():
+    core, _, clock = make_core("sjf", options={"order_by": "prompt"}, max_num_seqs=1)
+    for rid, prompt_len, max_tokens in (("long", 30, 2), ("short", 3, 40), ("mid", 12, 20)):
+        core.add_request(req(rid, prompt_len, max_tokens))
+    assert admission_order(core, clock) == ["short", "mid", "long"]
+    with pytest.raises(ValueError, match="order_by"):
+        make_core("sjf", options={"order_by": "rank"})
+
+
 def test_sjf_starves_a_long_request_under_a_stream_of_short_ones():
     core, _, clock = make_core("sjf", max_num_seqs=1)
     long = req("long", 4, 50)
