@@ -26,6 +26,13 @@ their mean TTFT, and the worst over the best), ratios to FIFO at the same load. 
 is the paper's: the highest rate whose P99 TTFT meets the SLO (twin: bisection; engine: the best
 load run).
 
+`--workloads` runs other traces than this one (issue 28: workloads the schedulers were not tuned on,
+`GENERATED`, from the workload generator), each with its own FIFO saturation and SLO, on both sides.
+Every run also reports the P99 of arrival-to-admission (the part of TTFT an admission order decides),
+the P99 TTFT of the requests below the median size, the P99 TTFT per fifth of the arrival window
+(the paper's Fig. 15) and the scheduler's `admission_limits` (what ended admission on the steps that
+left requests waiting); a last table gives every run's ratios to FIFO at the same load.
+
 This module is the twin side, the arguments, the tables and the JSON; the real engine side is
 `loraplex_bench.scheduler_engine` (torch), imported when run.
 """
