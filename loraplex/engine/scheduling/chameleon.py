@@ -115,6 +115,7 @@ class _Entry:
     predicted: int
     wrs: float
     need: int  # tokens
+    adapter_tokens: int  # of `need`: its adapter's weights
     charged_to: int = UNCHARGED
     charge: int = 0
     admitted_at: float = 0.0
@@ -200,7 +201,7 @@ class ChameleonScheduler(BatchScheduler):
         rank = self.rank_of(request.adapter) if request.adapter is not None else 0
         num_input = request.num_prompt_tokens
         entry = _Entry(request, next(self._arrivals), predicted, self.size.wrs(num_input, predicted, rank),
-                       self.size.need_tokens(num_input, predicted, rank))
+                       self.size.need_tokens(num_input, predicted, rank), self.size.adapter_tokens(rank))
         self._entries[request.request_id] = entry
         self._samples.append((self.clock.now(), entry.wrs, entry.need))
         self.queues[classify(entry.wrs, self.bounds)].append(entry)
@@ -257,7 +258,14 @@ class ChameleonScheduler(BatchScheduler):
         entry.charged_to, entry.charge = UNCHARGED, 0
 
     def _charge(self, entry: _Entry, q: int) -> int:
-        return min(entry.need, self.quota_tokens[q])
+        """What `entry` borrows from queue `q`: its need, less its adapter's weights when they are on
+        the device already (held once for all its requests, paid by the request that brought them in),
+        at most the queue's quota."""
+        need = entry.need
+        adapter = entry.request.adapter
+        if adapter is not None and entry.adapter_tokens and self.gate.holds(adapter):
+            need -= entry.adapter_tokens
+        return min(need, self.quota_tokens[q])
 
     # ---- admission ----------------------------------------------------------------------------
 
