@@ -26,6 +26,13 @@ their mean TTFT, and the worst over the best), ratios to FIFO at the same load. 
 is the paper's: the highest rate whose P99 TTFT meets the SLO (twin: bisection; engine: the best
 load run).
 
+`--workloads` runs other traces than this one (issue 28: workloads the schedulers were not tuned on,
+`GENERATED`, from the workload generator), each with its own FIFO saturation and SLO, on both sides.
+Every run also reports the P99 of arrival-to-admission (the part of TTFT an admission order decides),
+the P99 TTFT of the requests below the median size, the P99 TTFT per fifth of the arrival window
+(the paper's Fig. 15) and the scheduler's `admission_limits` (what ended admission on the steps that
+left requests waiting); a last table gives every run's ratios to FIFO at the same load.
+
 This module is the twin side, the arguments, the tables and the JSON; the real engine side is
 `loraplex_bench.scheduler_engine` (torch), imported when run.
 """
@@ -73,7 +80,7 @@ from loraplex.sim.replay import (
 )
 from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.trace import Trace, TraceRequest, requests_from
-from loraplex.sim.workload import Adapters, adapter_ranks
+from loraplex.sim.workload import Adapters, WorkloadSpec, adapter_ranks, generate
 from loraplex.spec.adapter import AdapterId
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import ManualClock
@@ -124,8 +131,14 @@ class RunResult:
     squashes: int = 0
     bypasses: int = 0
     predictor_rel_error: float | None = None
+    wait_p99_s: float | None = None  # arrival to admission: the part of TTFT an admission order decides
+    small_ttft_p99_s: float | None = None  # of the requests below the median prompt + output length
+    admission_limits: dict[str, int] = field(default_factory=dict)  # waiting steps by what ended admission
+    ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
     p99_ttft_vs_fifo: float | None = None
     goodput_vs_fifo: float | None = None
+    p50_ttft_vs_fifo: float | None = None
+    small_p99_vs_fifo: float | None = None
 
 
 @dataclass
@@ -177,6 +190,41 @@ def unit_trace(spec: TraceSpec, traces_dir: str | None = None) -> Trace:
     rows = ((float(t), names[a], int(ranks[a]), int(p), int(o))
             for t, a, p, o in zip(times, chosen, prompt, output, strict=True))
     return Trace(requests_from(rows), {"duration_s": float(spec.requests), "rps": 1.0, **asdict(spec)})
+
+
+# Workloads the schedulers were not tuned on (issue 28): the workload generator's, at 1 request/s (the
+# run sets the seed, the length and the scale). "paper" is `TraceSpec`, the paper's evaluation shape.
+PAPER_WORKLOAD = "paper"
+GENERATED: dict[str, WorkloadSpec] = {
+    "conv-200x8-32": WorkloadSpec(adapters=Adapters(count=200, ranks=[8, 16, 32],
+                                                    popularity=Popularity(mode="zipf", zipf_s=1.0))),
+    "code-200x8-32": WorkloadSpec(lengths=Lengths(profile="azure23_code"),
+                                  adapters=Adapters(count=200, ranks=[8, 16, 32],
+                                                    popularity=Popularity(mode="zipf", zipf_s=1.0))),
+    "conv-bursty-100x8-128": WorkloadSpec(arrivals=Arrivals(process="gamma", cv=3.0),
+                                          adapters=Adapters(count=100, ranks=[8, 16, 32, 64, 128])),
+    "uniform-50x16-128": WorkloadSpec(lengths=Lengths(profile="uniform", uniform_range=(8, 2048)),
+                                      adapters=Adapters(count=50, ranks=[16, 64, 128], rank_weights=[0.6, 0.3, 0.1],
+                                                        popularity=Popularity(mode="zipf", zipf_s=1.5))),
+    "code-1000x8-128": WorkloadSpec(seed=1, lengths=Lengths(profile="azure23_code"),
+                                    adapters=Adapters(count=1000, ranks=[8, 16, 32, 64, 128],
+                                                      popularity=Popularity(mode="zipf", zipf_s=0.8))),
+}
+WORKLOADS = (PAPER_WORKLOAD, *GENERATED)
+
+
+def unit_workload(name: str, spec: TraceSpec, traces_dir: str | None = None) -> Trace:
+    """Workload `name` at 1 request/s with `spec`'s length, seed, scale and context."""
+    if name == PAPER_WORKLOAD:
+        return unit_trace(spec, traces_dir)
+    base = GENERATED[name]
+    lengths = base.lengths.model_copy(update={"scale": spec.length_scale, "max_model_len": spec.max_model_len})
+    workload = base.model_copy(update={"seed": base.seed + spec.seed, "duration_s": float(spec.requests),
+                                       "rps": 1.0, "lengths": lengths})
+    try:
+        return generate(workload, traces_dir)
+    except FileNotFoundError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def adapter_names_ranks(spec: TraceSpec) -> tuple[list[str], np.ndarray]:
@@ -313,7 +361,32 @@ def measure(core: EngineCore, log: ReplayLog, trace: Trace, scheduler: str, rps:
         summary.ttft_s.get("p50"), summary.ttft_s.get("p99"), summary.tpot_s.get("p50"),
         summary.throughput_tokens_per_s, good / elapsed, summary.slo_attainment or 0.0, jain, spread,
         stats.num_preemptions, stats.num_squashes, stats.num_bypasses,
-        stats.predictor.mean_rel_error if stats.predictor else None)
+        stats.predictor.mean_rel_error if stats.predictor else None,
+        *wait_and_small_p99(log.requests), admission_limits=stats.admission_limits,
+        ttft_p99_over_time_s=p99_over_time(results, trace_duration(trace)))
+
+
+def p99_over_time(results: list[RequestResult], duration_s: float, windows: int = 5) -> list[float | None]:
+    """P99 TTFT of the requests arriving in each of `windows` equal parts of the arrival window (the
+    paper's Fig. 15: does the tail grow without bound?); a request not started counts as infinite."""
+    parts: list[list[float]] = [[] for _ in range(windows)]
+    for r in results:
+        i = min(windows - 1, int(r.arrival_s / duration_s * windows)) if duration_s > 0 else 0
+        parts[i].append(math.inf if r.ttft_s is None else r.ttft_s)
+    return [float(np.percentile(p, 99)) if p else None for p in parts]
+
+
+def wait_and_small_p99(requests: list[Request]) -> tuple[float | None, float | None]:
+    """(P99 of arrival-to-admission, P99 TTFT of the requests below the median size)."""
+    started = [r for r in requests if r.first_token_time is not None]
+    if not started:
+        return None, None
+    waits = [r.first_scheduled_time - r.arrival_time for r in started if r.first_scheduled_time is not None]
+    median = float(np.median([r.num_prompt_tokens + len(r.output_token_ids) for r in started]))
+    small = [r.first_token_time - r.arrival_time for r in started
+             if r.num_prompt_tokens + len(r.output_token_ids) < median]
+    return (float(np.percentile(waits, 99)) if waits else None,
+            float(np.percentile(small, 99)) if small else None)
 
 
 def fairness(results: list[RequestResult]) -> tuple[float | None, float | None]:
@@ -367,6 +440,8 @@ def add_ratios(block: Block) -> None:
         if base is not None:
             r.p99_ttft_vs_fifo = _ratio(r.ttft_p99_s, base.ttft_p99_s)
             r.goodput_vs_fifo = _ratio(r.goodput_tokens_per_s, base.goodput_tokens_per_s)
+            r.p50_ttft_vs_fifo = _ratio(r.ttft_p50_s, base.ttft_p50_s)
+            r.small_p99_vs_fifo = _ratio(r.small_ttft_p99_s, base.small_ttft_p99_s)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -427,6 +502,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_plots_arg(p, "TTFT p99, TBT p50, throughput, goodput and SLO attainment against the load, per scheduler, "
                   "for each side and memory policy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", default=PAPER_WORKLOAD, metavar="NAME,...|all",
+                   help=f"workloads, each with its own saturation, SLO and table: {', '.join(WORKLOADS)} "
+                        "(paper: the flags below; the others: the workload generator's, not tuned on); both sides")
     p.add_argument("--schedulers", default=",".join(DEFAULT_SCHEDULERS), help="comma-separated; fifo is required")
     p.add_argument("--loads", default="0.5,0.8,1.0,1.2", help="fractions of FIFO's saturation rate")
     p.add_argument("--memory-policy", default="unified",
@@ -453,6 +531,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--profile", default="whatif-h100-llama8b", help="profile name or file")
     t.add_argument("--requests", type=int, default=2000, help="requests of the trace (twin)")
     t.add_argument("--length-scale", type=float, default=1.0, help="multiply token counts (twin)")
+    t.add_argument("--saturation-rps", type=float, default=None,
+                   help="the rate loads are fractions of, for every twin block (default: each block's FIFO "
+                        "saturation, measured); pins the blocks of several memory policies to one baseline's rate")
     t.add_argument("--unloaded-requests", type=int, default=200, help="requests timed alone for the SLO (twin)")
     t.add_argument("--slo-throughput", choices=["search", "grid"], default="search",
                    help="throughput at the SLO by bisection, or the best of --loads (twin; the engine uses grid)")
@@ -518,8 +599,17 @@ def check_options(options: dict[str, dict[str, str]]) -> None:
             raise CommandError(f"--scheduler-option {name}: {exc}") from None
 
 
+def workloads_of(args: argparse.Namespace) -> list[str]:
+    names = list(WORKLOADS) if args.workloads == "all" else parse_list(args.workloads, "--workloads", str)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise CommandError(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)} or all")
+    return list(dict.fromkeys(names))
+
+
 def check_args(args: argparse.Namespace) -> None:
     schedulers_of(args)
+    workloads_of(args)
     check_options(scheduler_options(args))
     policies = parse_list(args.memory_policy, "--memory-policy", str)
     if set(policies) - set(MEMORY_POLICIES):
@@ -534,7 +624,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise CommandError(f"--ranks must be >= 1 and at most --max-lora-rank {args.max_lora_rank}, not {args.ranks!r}")
     if args.max_tokens not in ("context", "exact") and not (args.max_tokens.isdigit() and int(args.max_tokens) > 0):
         raise CommandError(f"--max-tokens must be context, exact or a positive integer, not {args.max_tokens!r}")
-    positive = ("adapters", "requests", "unloaded_requests", "engine_requests", "engine_unloaded_requests",
+    positive = ("adapters", "requests", "saturation_rps", "unloaded_requests", "engine_requests", "engine_unloaded_requests",
                 "slo_factor", "length_scale", "engine_length_scale", "engine_max_num_seqs",
                 "engine_max_batched_tokens", "engine_saturation_rps", "engine_num_blocks", "emulate_h2d_gbps",
                 "threads", "max_loras")
@@ -566,19 +656,22 @@ def run_twin(args: argparse.Namespace) -> list[Block]:
         profile = load_profile(args.profile)
     except (FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    trace = unit_trace(trace_spec(args, "twin", int(profile.engine["max_model_len"])), args.traces_dir)
+    spec = trace_spec(args, "twin", int(profile.engine["max_model_len"]))
     blocks = []
-    for policy in parse_list(args.memory_policy, "--memory-policy", str):
-        twin = TwinSide(profile, args, policy)
-        block = Block("twin", policy, {"profile": profile.name, "requests": len(trace.requests),
-                                       "length_scale": args.length_scale, "max_tokens": args.max_tokens,
-                                       "max_lora_rank": args.max_lora_rank, "spec": trace.workload},
-                      baseline_policy=policy_of(args, policy, BASELINE))
-        twin.calibrate(block, trace)
-        loads = parse_list(args.loads, "--loads", float)
-        sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
-              args.slo_throughput == "search")
-        blocks.append(block)
+    for workload in workloads_of(args):
+        trace = unit_workload(workload, spec, args.traces_dir)
+        for policy in parse_list(args.memory_policy, "--memory-policy", str):
+            twin = TwinSide(profile, args, policy)
+            block = Block("twin", policy, {"workload": workload, "profile": profile.name,
+                                           "requests": len(trace.requests), "length_scale": args.length_scale,
+                                           "max_tokens": args.max_tokens, "max_lora_rank": args.max_lora_rank,
+                                           "spec": trace.workload},
+                          baseline_policy=policy_of(args, policy, BASELINE))
+            twin.calibrate(block, trace)
+            loads = parse_list(args.loads, "--loads", float)
+            sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
+                  args.slo_throughput == "search")
+            blocks.append(block)
     return blocks
 
 
@@ -621,6 +714,9 @@ class TwinSide:
         """The SLO (from FIFO unloaded) and FIFO's saturation rate."""
         core, _, ids = self.engine(BASELINE, trace)
         set_slo(block, core, trace.requests[:self.args.unloaded_requests], ids, sim_prompt, self.args)
+        if self.args.saturation_rps:
+            block.saturation_rps, block.saturation_method = self.args.saturation_rps, "given (--saturation-rps)"
+            return
         stage(f"twin ({self.policy}): FIFO's saturation rate ...")
         with cyclic_gc_paused():  # FIFO never reads max_tokens, so simulate_server's exact ones serve
             block.saturation_rps = saturation_rps(self.profile, lambda rps: at_rate(trace, rps), self.config(BASELINE))
@@ -657,6 +753,35 @@ def print_block(block: Block) -> None:
     print("(times in ms; TBT = a request's mean time between tokens; tok/s = prompt + output tokens; good = of "
           "requests meeting the TTFT SLO; Jain = fairness index over the adapters' mean TTFTs)")
     print_slo_throughput(block)
+
+
+def print_ratios(blocks: list[Block]) -> None:
+    """Every run against FIFO at the same load, one line each: the scheduler-only summary (issue 28)."""
+    print("\n== ratios to FIFO at the same load (each block's own FIFO; < 1 is better)")
+    print(f"{'side':<7}{'workload':<23}{'memory':<12}{'load':>5} {'scheduler':<10}{'p99 TTFT':>9}{'p50 TTFT':>9}"
+          f"{'small p99':>10}{'wait p99 s':>11}  waiting steps by limit")
+    for block in blocks:
+        workload = block.settings.get("workload", PAPER_WORKLOAD)
+        for r in block.runs:
+            limits = " ".join(f"{k}={v}" for k, v in sorted(r.admission_limits.items(), key=lambda kv: -kv[1]))
+            memory = block.baseline_policy if r.scheduler == BASELINE else block.memory_policy
+            print(f"{block.side:<7}{workload:<23}{memory:<12}{r.load:>5.2f} {r.scheduler:<10}"
+                  f"{_num(r.p99_ttft_vs_fifo, '.2f'):>9}{_num(r.p50_ttft_vs_fifo, '.2f'):>9}"
+                  f"{_num(r.small_p99_vs_fifo, '.2f'):>10}{_num(r.wait_p99_s, '.3f'):>11}  {limits}")
+    print("(small p99: TTFT P99 of the requests below the median prompt + output; wait: arrival to admission; "
+          "limits: steps that left requests waiting, by what ended admission — budget, seats, kv, adapter, policy)")
+
+
+def print_over_time(blocks: list[Block]) -> None:
+    """P99 TTFT per fifth of the arrival window at each block's highest load (the paper's Fig. 15)."""
+    print("\n== P99 TTFT (s) over time at the highest load, per fifth of the arrival window")
+    for block in blocks:
+        top = max((r.load for r in block.runs), default=None)
+        workload = block.settings.get("workload", PAPER_WORKLOAD)
+        for r in (r for r in block.runs if r.load == top):
+            cells = " ".join(f"{_num(v, '.2f'):>7}" for v in r.ttft_p99_over_time_s)
+            memory = block.baseline_policy if r.scheduler == BASELINE else block.memory_policy
+            print(f"{block.side:<7}{workload:<23}{memory:<12}{r.load:>5.2f} {r.scheduler:<10}{cells}")
 
 
 def print_slo_throughput(block: Block) -> None:
@@ -704,6 +829,8 @@ def run(args: argparse.Namespace) -> int:
         blocks += _engine_side()(args)
     for block in blocks:
         print_block(block)
+    print_ratios(blocks)
+    print_over_time(blocks)
     if args.json:
         write_json(Path(args.json), args, blocks)
     if args.plots:

@@ -51,7 +51,8 @@ from loraplex_bench.scheduler_compare import (
     set_slo,
     sweep,
     trace_spec,
-    unit_trace,
+    unit_workload,
+    workloads_of,
 )
 
 if TYPE_CHECKING:
@@ -71,16 +72,22 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-schedulers-") as tmp:
         base_dir = make_tiny_model(Path(tmp) / "tiny", num_adapters=0, seed=args.seed).base_dir
         config = ModelConfig.from_dir(base_dir)
-        trace = unit_trace(trace_spec(args, "engine", config.max_position_embeddings), args.traces_dir)
-        stage(f"engine: writing {len(trace.adapters())} adapters ...")
-        adapters = _write_adapters(base_dir, trace.adapters(), Path(tmp) / "adapters", args.seed)
+        spec = trace_spec(args, "engine", config.max_position_embeddings)
         kv_token, per_rank = memory_engine.model_bytes(config)
         num_blocks = args.engine_num_blocks or memory_engine.scaled_pool(reference, kv_token, per_rank)
-        # bench memory's calibration (and warm-up), so that both benches emulate the same link
-        gbps, calibration = memory_engine.calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
-        side = EngineSide(args, base_dir, adapters, num_blocks, gbps, config.vocab_size)
-        return [_policy_block(side, trace, policy, _settings(args, trace, num_blocks, gbps, calibration))
-                for policy in parse_list(args.memory_policy, "--memory-policy", str)]
+        blocks, link = [], None
+        for workload in workloads_of(args):
+            trace = unit_workload(workload, spec, args.traces_dir)
+            stage(f"engine: writing {len(trace.adapters())} adapters of {workload} ...")
+            adapters = _write_adapters(base_dir, trace.adapters(), Path(tmp) / f"adapters-{workload}", args.seed)
+            # bench memory's calibration (and warm-up), so that both benches emulate the same link; once
+            link = link or memory_engine.calibrated_bandwidth(args, base_dir, adapters, reference, per_rank)
+            gbps, calibration = link
+            side = EngineSide(args, base_dir, adapters, num_blocks, gbps, config.vocab_size)
+            settings = {"workload": workload, **_settings(args, trace, num_blocks, gbps, calibration)}
+            blocks += [_policy_block(side, trace, policy, settings)
+                       for policy in parse_list(args.memory_policy, "--memory-policy", str)]
+        return blocks
 
 
 def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[str, Any]) -> Block:

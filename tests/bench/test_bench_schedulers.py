@@ -63,6 +63,24 @@ def test_default_lengths_are_the_azure_conversations(tmp_path: Path) -> None:
     assert {k["method"] for k in twin["slo_throughput"]} == {"grid"}
 
 
+def test_generated_workloads_each_get_a_block_and_the_ratio_summary(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "workloads.json"
+    assert main(["bench", "schedulers", "--side", "twin", "--workloads", "uniform-50x16-128,code-200x8-32",
+                 "--requests", "40", "--unloaded-requests", "4", "--schedulers", "fifo,chameleon",
+                 "--loads", "0.9", "--slo-throughput", "grid", "--saturation-rps", "5", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ratios to FIFO at the same load" in printed and "over time" in printed
+    blocks = json.loads(out.read_text())["blocks"]
+    assert [b["settings"]["workload"] for b in blocks] == ["uniform-50x16-128", "code-200x8-32"]
+    assert blocks[1]["settings"]["spec"]["lengths"]["profile"] == "azure23_code"
+    assert all(b["saturation_rps"] == 5 for b in blocks)
+    for run in (r for b in blocks for r in b["runs"]):
+        assert run["wait_p99_s"] is not None and run["small_ttft_p99_s"] is not None
+        assert len(run["ttft_p99_over_time_s"]) == 5
+        assert set(run["admission_limits"]) <= {"budget", "seats", "kv", "adapter", "policy"}
+
+
 def test_ranks_are_equally_popular_and_zipf_within_a_rank() -> None:
     ranks = np.repeat([8, 16], 5)
     chosen = choose_adapters(ranks, (8, 16), 1.0, 20000, np.random.default_rng(0))
@@ -98,6 +116,7 @@ def test_slo_throughput_bisects_between_the_grid_loads() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--schedulers", "sjf,vtc"], "must include fifo"),
     (["--schedulers", "fifo,lottery"], "unknown ['lottery']"),
+    (["--workloads", "paper,nope"], "--workloads: unknown ['nope']"),
     (["--loads", "0,1"], "--loads must be positive"),
     (["--loads", "half"], "--loads must be comma-separated"),
     (["--max-tokens", "-3"], "--max-tokens"),

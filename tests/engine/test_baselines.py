@@ -25,6 +25,15 @@ def test_sjf_admits_by_predicted_output():
     assert core.scheduler.stats().predictor.observations == 3
 
 
+def test_sjf_by_prompt_admits_the_shortest_prompt_first():
+    core, _, clock = make_core("sjf", options={"order_by": "prompt"}, max_num_seqs=1)
+    for rid, prompt_len, max_tokens in (("long", 30, 2), ("short", 3, 40), ("mid", 12, 20)):
+        core.add_request(req(rid, prompt_len, max_tokens))
+    assert admission_order(core, clock) == ["short", "mid", "long"]
+    with pytest.raises(ValueError, match="order_by"):
+        make_core("sjf", options={"order_by": "rank"})
+
+
 def test_sjf_starves_a_long_request_under_a_stream_of_short_ones():
     core, _, clock = make_core("sjf", max_num_seqs=1)
     long = req("long", 4, 50)
@@ -99,3 +108,21 @@ def test_every_scheduler_aborts_waiting_and_running_requests_cleanly(name):
     assert all(r.status is RequestStatus.FINISHED for r in requests)
     stats = core.scheduler_stats()
     assert stats.policy == name and stats.queues[0].length == 0
+
+
+@pytest.mark.parametrize("name", SCHEDULER_NAMES)
+def test_every_scheduler_counts_what_ended_admission_while_requests_wait(name):
+    core, _, clock = make_core(name, max_num_seqs=1, max_num_batched_tokens=64, max_loras=1)
+    core.add_request(req("first", 4, 3, "a"))
+    core.step()  # it takes the only seat
+    core.add_request(req("second", 4, 3, "a"))
+    core.step()
+    assert core.scheduler.stats().admission_limits == {"seats": 1}
+    drain(core, clock)
+    core.add_request(req("big", 100, 2))  # 100 prompt tokens: the budget of 64 ends the step
+    core.add_request(req("after", 4, 2))
+    core.step()
+    assert core.scheduler.stats().admission_limits["budget"] == 1
+    drain(core, clock)
+    limits = core.scheduler.stats().admission_limits
+    assert set(limits) <= {"budget", "seats", "kv", "adapter", "policy"}

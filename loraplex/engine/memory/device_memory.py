@@ -44,6 +44,10 @@ class DeviceMemory(Protocol):
     def can_acquire(self, adapter: AdapterId) -> bool:
         """`adapter` is ready, or memory could be found to bring it in now; changes nothing."""
 
+    def loading(self, adapter: AdapterId) -> bool:
+        """`adapter`'s weights have their memory and are being copied in: a request of it waits for
+        the copy, not for memory."""
+
     def pins(self, adapter: AdapterId) -> int:
         """Requests in the batch that use `adapter`."""
 

@@ -27,6 +27,9 @@ class MemoryGate(Protocol):
     def competes(self, adapter: AdapterId | None) -> bool:
         """Admitting a request of `adapter` now takes memory a blocked request may be waiting for."""
 
+    def loading(self, adapter: AdapterId | None) -> bool:
+        """`adapter` has its memory and its copy is in flight: a request of it waits for nothing else."""
+
 
 class PageGate:
     """An adapter gets memory when it is on the device or the policy can make room for it. Releasing
@@ -50,6 +53,9 @@ class PageGate:
         if not freeing:
             return None
         return min(freeing, key=lambda group: sum(r.num_computed_tokens for r in group))  # least work lost
+
+    def loading(self, adapter: AdapterId | None) -> bool:
+        return adapter is not None and self.memory.loading(adapter)
 
     def competes(self, adapter: AdapterId | None) -> bool:
         # in a shared pool every admission takes pages the head may need; with fixed slots only a

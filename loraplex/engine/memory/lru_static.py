@@ -54,6 +54,9 @@ class LruStaticMemory(PagedMemory):
     def can_acquire(self, adapter: AdapterId) -> bool:
         return self.slots.can_acquire(adapter)
 
+    def loading(self, adapter: AdapterId) -> bool:
+        return False  # a slot's load is synchronous: it is done within the step that grants it
+
     def pins(self, adapter: AdapterId) -> int:
         return self.slots.pins(adapter)
 

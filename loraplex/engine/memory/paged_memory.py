@@ -149,6 +149,10 @@ class PagedMemory:
             return self._reclaimable() >= node.size
         return node.tier is Tier.DEVICE or (node.tier is Tier.LOADING and self.assists_loads)
 
+    def loading(self, adapter: AdapterId) -> bool:
+        node = self.tree.adapter_node(adapter)
+        return node is not None and node.tier is Tier.LOADING
+
     def acquire_adapter(self, adapter: AdapterId) -> int | None:
         node = self.tree.adapter_node(adapter)
         if node is None:

@@ -87,8 +87,9 @@ class ChameleonOptions:
     reserve_after_s: float = 1.0  # a head blocked this long gets memory reserved (one at a time)
     bypass_scan: int = 64  # younger requests looked at per blocked head and step
     # a queue head waiting longer goes before the smaller queues and may borrow what nobody holds
-    # (None: half of slo_s; 0: off, the paper's order alone)
+    # (None: aging_factor x the recent mean wait, at most half of slo_s; 0: off, the paper's order alone)
     max_wait_s: float | None = None
+    aging_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("refresh_s", "shift_window_s", "slo_s", "default_service_s", "elbow_gain"):
@@ -101,6 +102,8 @@ class ChameleonOptions:
                              "reserve_after_s >= 0")
         if self.max_wait_s is not None and self.max_wait_s < 0:
             raise ValueError("chameleon option max_wait_s must be >= 0 (0: off)")
+        if not self.aging_factor > 0:
+            raise ValueError("chameleon option aging_factor must be positive")
         if self.quota_split not in ("min", "equal"):
             raise ValueError(f"quota_split {self.quota_split!r} is not 'min' or 'equal'")
 
@@ -112,6 +115,7 @@ class _Entry:
     predicted: int
     wrs: float
     need: int  # tokens
+    adapter_tokens: int  # of `need`: its adapter's weights
     charged_to: int = UNCHARGED
     charge: int = 0
     admitted_at: float = 0.0
@@ -148,7 +152,7 @@ class ChameleonScheduler(BatchScheduler):
         super().__init__(config, memory, rank_of, clock)
         options, predictor_options = options_for(config.scheduler_options, ChameleonOptions, PredictorOptions)
         self.options: ChameleonOptions = options
-        self.max_wait_s = options.slo_s / 2 if options.max_wait_s is None else options.max_wait_s
+        self._recent_wait: float | None = None  # mean arrival-to-admission wait, recent (all queues)
         self.predictor = predictor or OutputLengthPredictor(predictor_options)
         self.gate: MemoryGate = gate or PageGate(memory)
         self.size = SizeModel(max_in=config.max_model_len, max_out=config.max_model_len,
@@ -197,7 +201,7 @@ class ChameleonScheduler(BatchScheduler):
         rank = self.rank_of(request.adapter) if request.adapter is not None else 0
         num_input = request.num_prompt_tokens
         entry = _Entry(request, next(self._arrivals), predicted, self.size.wrs(num_input, predicted, rank),
-                       self.size.need_tokens(num_input, predicted, rank))
+                       self.size.need_tokens(num_input, predicted, rank), self.size.adapter_tokens(rank))
         self._entries[request.request_id] = entry
         self._samples.append((self.clock.now(), entry.wrs, entry.need))
         self.queues[classify(entry.wrs, self.bounds)].append(entry)
@@ -254,7 +258,14 @@ class ChameleonScheduler(BatchScheduler):
         entry.charged_to, entry.charge = UNCHARGED, 0
 
     def _charge(self, entry: _Entry, q: int) -> int:
-        return min(entry.need, self.quota_tokens[q])
+        """What `entry` borrows from queue `q`: its need, less its adapter's weights when they are on
+        the device already (held once for all its requests, paid by the request that brought them in),
+        at most the queue's quota."""
+        need = entry.need
+        adapter = entry.request.adapter
+        if adapter is not None and entry.adapter_tokens and self.gate.holds(adapter):
+            need -= entry.adapter_tokens
+        return min(need, self.quota_tokens[q])
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -303,11 +314,21 @@ class ChameleonScheduler(BatchScheduler):
         if step.stopped:
             self._starved = {q for q in range(k) if q not in served and self.queues[q]}
 
+    def max_wait_s(self) -> float:
+        """How long a queue head may wait before it goes first: `max_wait_s` when set, else
+        `aging_factor` x the recent mean wait (so a size class is never held back much longer than
+        the load makes everyone wait), at most half of `slo_s`."""
+        options = self.options
+        if options.max_wait_s is not None:
+            return options.max_wait_s
+        cap = options.slo_s / 2
+        return cap if self._recent_wait is None else min(cap, options.aging_factor * self._recent_wait)
+
     def _aged_queues(self) -> list[int]:
         """Queues whose head has waited longer than `max_wait_s`, oldest head first: they are served
         before the smaller queues, so a steady stream of small requests cannot hold a large one back
         for longer than that (the tail the size order alone would stretch)."""
-        limit = self.max_wait_s
+        limit = self.max_wait_s()
         if limit <= 0:
             return []
         now = self.clock.now()
@@ -319,7 +340,7 @@ class ChameleonScheduler(BatchScheduler):
         """An aged queue whose quota is used up borrows what nobody holds (charged to the spare, so
         the pool is never over-lent); returns the seats it took."""
         queue = self.queues[q]
-        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s:
+        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s():
             return 0
         free_tokens = self.token_pool - self._held_total
         free_seats = self.config.max_num_seqs - len(self.running)
@@ -328,7 +349,8 @@ class ChameleonScheduler(BatchScheduler):
     def _put(self, q: int, avail_tokens: int, avail_seats: int, where: int, out: SchedulerOutput,
              step: _Step) -> tuple[int, int]:
         """Admit from queue `q` in arrival order within `avail_*`, charging `where`; stop at the first
-        request that does not fit. A head blocked on adapter memory may be bypassed."""
+        request that does not fit. A head blocked on adapter memory may be bypassed; one whose
+        adapter is being copied in (it has its memory) is passed over for the step, as FIFO does."""
         queue, max_seqs = self.queues[q], self.config.max_num_seqs
         used_tokens = used_seats = 0
         blocked: _Blocked | None = None
@@ -342,8 +364,8 @@ class ChameleonScheduler(BatchScheduler):
             if (used_tokens + charge > avail_tokens or used_seats + 1 > avail_seats
                     or self._held_total + charge > self.token_pool):
                 break
-            if i > 0 and not self._may_bypass(blocked, entry, avail_tokens - used_tokens - charge,
-                                              avail_seats - used_seats - 1, q):
+            if blocked is not None and not self._may_bypass(blocked, entry, avail_tokens - used_tokens - charge,
+                                                            avail_seats - used_seats - 1, q):
                 i, scanned = i + 1, scanned + 1
                 if scanned >= self.options.bypass_scan:
                     break
@@ -354,7 +376,7 @@ class ChameleonScheduler(BatchScheduler):
                 self._borrow(entry, where, charge)
                 used_tokens += charge
                 used_seats += 1
-                if i > 0 and blocked is not None:
+                if blocked is not None:
                     if entry not in blocked.bypassers:  # a squashed or preempted one may pass again
                         blocked.bypassers.append(entry)
                     blocked.num_bypasses += 1
@@ -365,7 +387,7 @@ class ChameleonScheduler(BatchScheduler):
             if admit is Admit.NO_KV:
                 step.stopped = True
                 break
-            if i == 0:  # the head cannot get adapter memory
+            if i == 0 and not self.gate.loading(entry.request.adapter):  # the head cannot get adapter memory
                 blocked = self._block(q, entry)
                 if blocked is None:
                     break
@@ -389,8 +411,9 @@ class ChameleonScheduler(BatchScheduler):
             now = self.clock.now()
             entry.admitted_at = now
             if first:
-                wait, mean = now - request.arrival_time, self._mean_wait[q]
+                wait, mean, recent = now - request.arrival_time, self._mean_wait[q], self._recent_wait
                 self._mean_wait[q] = wait if mean is None else mean + 0.1 * (wait - mean)
+                self._recent_wait = wait if recent is None else recent + 0.05 * (wait - recent)
         return admit
 
     # ---- bypass, reservation and squash -------------------------------------------------------
@@ -632,4 +655,5 @@ class ChameleonScheduler(BatchScheduler):
             policy=self.policy, queues=queues, num_preemptions=self.num_preemptions,
             num_squashes=self.num_squashes, num_bypasses=self.num_bypasses, num_refreshes=self.num_refreshes,
             overloaded=self.overloaded, token_pool=self.token_pool, spare_held_tokens=self._spare_tokens,
-            predictor=self.predictor.stats(), adapter_service=dict(self.adapter_service))
+            predictor=self.predictor.stats(), adapter_service=dict(self.adapter_service),
+            admission_limits=dict(self.admission_limits))

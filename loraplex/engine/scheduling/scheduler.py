@@ -8,6 +8,11 @@ waiting requests to admit (`_schedule_waiting`) and keeps its own waiting struct
 arrival order while the budget, the batch size, memory and adapters allow; a request whose
 adapter is not on the device yet is skipped for this step (its copy starts), keeping its place.
 The other policies (`sjf`, `vtc`, `chameleon`) live one per module; `schedulers.py` names them.
+
+Every step that leaves requests waiting is counted under what ended admission
+(`SchedulerStats.admission_limits`): the step's token budget, the seats (`max_num_seqs`), KV pages
+(a refused first chunk, or a preemption), an adapter that could not get memory yet, or the policy
+itself (quotas, an order that holds requests back). Only the last two are a policy's to change.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 
 RankOf = Callable[[AdapterId], int]
+ADMISSION_LIMITS = ("budget", "seats", "kv", "adapter", "policy")
 
 
 class Scheduler(Protocol):
@@ -93,6 +99,8 @@ class BatchScheduler:
         self._waiting_adapters: Counter[AdapterId] = Counter()  # adapters of waiting requests
         memory.queued = self._is_queued  # the memory policy keeps these adapters longest
         self.adapter_service: defaultdict[str, int] = defaultdict(int)  # adapter -> tokens of finished requests
+        self.admission_limits: Counter[str] = Counter()  # steps that left requests waiting, by what ended admission
+        self._refused: Admit | None = None  # the last refusal of this step's admissions
 
     # ---- the waiting requests: a policy's own structure ----------------------------------------
 
@@ -155,14 +163,31 @@ class BatchScheduler:
                               finished_request_ids=self._finished, preempted_request_ids=[])
         self._finished = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted_request_ids and self.num_waiting:
+        if out.preempted_request_ids:
+            if self.num_waiting:
+                self.admission_limits["kv"] += 1
+        elif self.num_waiting:
+            self._refused = None
             self._schedule_waiting(out, budget)
+            if self.num_waiting:
+                self.admission_limits[self._admission_limit(out)] += 1
         self.memory.drain(out, len(self.running))
         return out
 
+    def _admission_limit(self, out: SchedulerOutput) -> str:
+        """What ended this step's admissions while requests still wait (one of ADMISSION_LIMITS)."""
+        if sum(c.num_tokens for c in out.chunks) >= self.config.max_num_batched_tokens:
+            return "budget"
+        if len(self.running) >= self.config.max_num_seqs:
+            return "seats"
+        if self._refused is Admit.NO_KV:
+            return "kv"
+        return "adapter" if self._refused is Admit.NO_SLOT else "policy"
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(policy=self.policy, queues=[self._queue_stats(0, None, self._waiting_requests())],
-                              num_preemptions=self.num_preemptions, adapter_service=dict(self.adapter_service))
+                              num_preemptions=self.num_preemptions, adapter_service=dict(self.adapter_service),
+                              admission_limits=dict(self.admission_limits))
 
     def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
         # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
@@ -228,16 +253,16 @@ class BatchScheduler:
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> Admit:
         """Start `request` with a first chunk of at most `budget` tokens, or take nothing."""
         if not self._acquire_slot(request):
-            return Admit.NO_SLOT
+            return self._refuse(Admit.NO_SLOT)
         if request.num_computed_tokens == 0 and not self.memory.begin(request):
             self._release_slot(request)
-            return Admit.NO_SLOT
+            return self._refuse(Admit.NO_SLOT)
         num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
         if not self.memory.allocate(request, num_tokens):
             self.memory.release(request)
             request.num_computed_tokens = 0
             self._release_slot(request)
-            return Admit.NO_KV
+            return self._refuse(Admit.NO_KV)
         request.status = RequestStatus.RUNNING
         self._waiting_adapters[request.adapter] -= 1
         if request.first_scheduled_time is None:
@@ -246,6 +271,11 @@ class BatchScheduler:
         out.chunks.append(self._chunk(request, request.num_computed_tokens, num_tokens,
                                       len(request.prompt_token_ids), len(request.output_token_ids)))
         return Admit.OK
+
+    def _refuse(self, admit: Admit) -> Admit:
+        if self._refused is not Admit.NO_KV:  # KV ends a step's admissions; a missing adapter only skips one
+            self._refused = admit
+        return admit
 
     def _chunk(self, request: Request, start: int, num_tokens: int, num_prompt: int,
                num_output: int) -> ScheduledChunk:

@@ -1,7 +1,9 @@
 """Shortest job first by predicted output length (the µServe baseline Chameleon compares with).
 
 Waiting requests are ordered by the output length the online predictor gave them on arrival,
-ties by arrival. Preempted requests go before all others (their work is lost already). As in FIFO,
+ties by arrival. With `order_by: prompt` they are ordered by prompt length instead: known exactly
+at arrival, and what a request's first token costs where the step's token budget is the limit (the
+shortest-prefill-first order, the lowest mean TTFT an admission order gets there). Preempted requests go before all others (their work is lost already). As in FIFO,
 a request whose adapter cannot get a slot is skipped for the step and keeps its place. Long
 requests can wait forever under a steady stream of short ones: that is the baseline's flaw.
 """
@@ -9,6 +11,7 @@ requests can wait forever under a steady stream of short ones: that is the basel
 from __future__ import annotations
 
 from bisect import insort
+from dataclasses import dataclass
 from itertools import count
 
 from loraplex.engine.config import EngineConfig
@@ -34,13 +37,22 @@ def learn_output(predictor: OutputLengthPredictor, request: Request, predicted: 
         predictor.observe(request.adapter, request.num_prompt_tokens, len(request.output_token_ids), predicted)
 
 
+@dataclass(frozen=True)
+class SjfOptions:
+    order_by: str = "output"  # "output" (predicted, µServe's) or "prompt" (its exact length)
+
+    def __post_init__(self) -> None:
+        if self.order_by not in ("output", "prompt"):
+            raise ValueError(f"sjf option order_by {self.order_by!r} is not 'output' or 'prompt'")
+
+
 class SjfScheduler(BatchScheduler):
     policy = "sjf"
 
     def __init__(self, config: EngineConfig, memory: DeviceMemory,
                  rank_of: RankOf, clock: Clock, predictor: OutputLengthPredictor | None = None) -> None:
         super().__init__(config, memory, rank_of, clock)
-        (predictor_options,) = options_for(config.scheduler_options, PredictorOptions)
+        self.options, predictor_options = options_for(config.scheduler_options, SjfOptions, PredictorOptions)
         self.predictor = predictor or OutputLengthPredictor(predictor_options)
         self._waiting: list[tuple[int, int, int, Request]] = []  # (resumed first, predicted, arrival, request)
         self._predicted: dict[str, int] = {}
@@ -55,11 +67,16 @@ class SjfScheduler(BatchScheduler):
         predicted = predict_output(self.predictor, request, self.config.max_model_len)
         self._predicted[request.request_id] = predicted
         self._order[request.request_id] = next(self._arrivals)
-        insort(self._waiting, (_NEW, predicted, self._order[request.request_id], request))
+        insort(self._waiting, (_NEW, self._key(request), self._order[request.request_id], request))
+
+    def _key(self, request: Request) -> int:
+        if self.options.order_by == "prompt":
+            return request.num_prompt_tokens
+        return self._predicted[request.request_id]
 
     def _requeue(self, request: Request) -> None:
         rid = request.request_id
-        insort(self._waiting, (_RESUMED, self._predicted[rid], self._order[rid], request))
+        insort(self._waiting, (_RESUMED, self._key(request), self._order[rid], request))
 
     def _remove_waiting(self, request: Request) -> None:
         self._waiting = [e for e in self._waiting if e[3] is not request]

@@ -42,3 +42,5 @@ class SchedulerStats:
     predictor: PredictorStats | None = None
     adapter_service: dict[str, int] = field(default_factory=dict)  # adapter ('' = base) -> tokens served
     adapter_counters: dict[str, float] = field(default_factory=dict)  # vtc: virtual token counters
+    # steps that left requests waiting, by what ended admission (scheduler.ADMISSION_LIMITS)
+    admission_limits: dict[str, int] = field(default_factory=dict)

@@ -34,4 +34,8 @@ class SizeModel:
         """Input + predicted output (whole KV blocks, as the cache hands them out) + the adapter's size
         in KV-token equivalents; a base-model request has no adapter to pay for."""
         kv = blocks_for(num_input + num_output, self.block_size) * self.block_size
-        return kv + round(rank * self.adapter_tokens_per_rank)
+        return kv + self.adapter_tokens(rank)
+
+    def adapter_tokens(self, rank: int) -> int:
+        """An adapter's weights in KV-token equivalents."""
+        return round(rank * self.adapter_tokens_per_rank)
