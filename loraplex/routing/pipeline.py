@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplex.routing.prefix import PrefixConfig, PrefixFilter
+from loraplex.routing.prefix import PrefixConfig
 from loraplex.routing.rank_aware import RankAwareConfig, RankAwareScorer, SloFilter
 from loraplex.routing.records import ServerBatch
 
@@ -135,6 +135,28 @@ class AssignedFilter:
             return assigned
         holding = [c for c in candidates if c.residency > Residency.NONE]
         return holding or candidates
+
+
+@dataclass
+class PrefixFilter:
+    """Keeps the servers under the load ceiling with the longest prefix match (`loraplex.routing.prefix`).
+    Every candidate when no server matches: the scorers decide as they would without prefixes."""
+
+    config: PrefixConfig = field(default_factory=PrefixConfig)
+    name = "prefix"
+    reads_load = True
+
+    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
+        floor = self.config.min_match
+        if request.prefix_blocks < floor or max(c.prefix_blocks for c in candidates) < floor:
+            return candidates
+        least = min(c.queue_depth for c in candidates)
+        ceiling = least * self.config.load_factor + self.config.load_slack
+        light = [c for c in candidates if c.queue_depth <= ceiling]
+        best = max(c.prefix_blocks for c in light)
+        if best < floor:
+            return light
+        return [c for c in light if c.prefix_blocks == best]
 
 
 # ---- scorers --------------------------------------------------------------------------------

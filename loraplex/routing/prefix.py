@@ -17,7 +17,7 @@ SGLang's cache-aware router), pure and torch-free so the router and the twin run
   until it has seen traffic. Only the hit rate suffers, never correctness: a wrong guess costs a
   prefill, as φ-random routing does every time.
 
-The `prefix` filter keeps, of the servers under the load ceiling, those with the longest match
+The `prefix` filter (`loraplex.routing.pipeline.PrefixFilter`) keeps, of the servers under the load ceiling, those with the longest match
 (ties and requests with no match anywhere are left to the profile's scorers: φ for `prefix-aware`,
 Algorithm 1 for `prefix-rank-aware`). The ceiling, `load_factor` × the least queue + `load_slack`,
 bounds how far a hot prefix can pile requests onto one server: past it, the request goes to a
@@ -31,10 +31,6 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from loraplex.routing.pipeline import Candidate, RouteRequest
 
 TOKENS_PER_CHAR = 0.25  # English text and code: about four characters a token
 
@@ -171,28 +167,3 @@ class PrefixIndex:
     def size(self) -> int:
         """Keys held, all servers together."""
         return sum(len(held) for held in self.servers.values())
-
-
-# ---- the filter -----------------------------------------------------------------------------
-
-
-@dataclass
-class PrefixFilter:
-    """Keeps the servers under the load ceiling with the longest prefix match (see the module doc).
-    Every candidate when no server matches: the scorers decide as they would without prefixes."""
-
-    config: PrefixConfig = field(default_factory=PrefixConfig)
-    name = "prefix"
-    reads_load = True
-
-    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
-        floor = self.config.min_match
-        if request.prefix_blocks < floor or max(c.prefix_blocks for c in candidates) < floor:
-            return candidates
-        least = min(c.queue_depth for c in candidates)
-        ceiling = least * self.config.load_factor + self.config.load_slack
-        light = [c for c in candidates if c.queue_depth <= ceiling]
-        best = max(c.prefix_blocks for c in light)
-        if best < floor:
-            return light
-        return [c for c in light if c.prefix_blocks == best]

@@ -7,10 +7,9 @@ import random
 import pytest
 
 from loraplex.routing.choice import RoutingChoice, build_profile
-from loraplex.routing.pipeline import Candidate, RouteRequest, make_profile, prefix_config
+from loraplex.routing.pipeline import Candidate, PrefixFilter, RouteRequest, make_profile, prefix_config
 from loraplex.routing.prefix import (
     PrefixConfig,
-    PrefixFilter,
     PrefixIndex,
     adapter_seed,
     body_keys,
