@@ -14,6 +14,7 @@ and the one the router predicted.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--rate", type=float, default=8.0, help="sessions per second")
     t.add_argument("--system-prompt", type=int, default=64, help="tokens of each adapter's system prompt")
     t.add_argument("--length-scale", type=float, default=1.0)
+    t.add_argument("--precise", action="store_true",
+                   help="also run each prefix profile on the engines' own prefix caches, read at every pick "
+                        "(what precise KV events with no lag would tell the router): rows named PROFILE+events")
     e = p.add_argument_group("local stack (tiny model)")
     e.add_argument("--agents", type=int, default=3)
     e.add_argument("--engine-placement", default="min-cost-flow", choices=POLICY_NAMES)
@@ -151,35 +155,51 @@ def run_twin(args: argparse.Namespace, routings: list[str], kinds: list[str]) ->
         stage(f"twin, {kind}: {len(workload.sessions)} sessions, {workload.num_turns} turns; operating points")
         points = operating_points(profile, sorted(set(workload.adapters.values())), session_trace(workload),
                                   profile.engine_config(**overrides))
-        for routing in routings:
-            stage(f"twin, {kind}, {routing}")
+        for routing, source in _variants(routings, args.precise):
+            label = routing if source == "index" else f"{routing}+events"
+            stage(f"twin, {kind}, {label}")
             config = SessionClusterConfig(args.servers, routing, args.replicas, args.placement, args.seed, overrides,
-                                          prefix, points)
+                                          prefix=prefix, prefix_source=source, operating_points=points)
             s = summarize_session_cluster(simulate_session_cluster(workload, profile, config))
-            side.rows.append(Row(kind, routing, s.turns, s.ttft_mean_s, s.ttft_later_mean_s, s.ttft_p99_s,
+            side.rows.append(Row(kind, label, s.turns, s.ttft_mean_s, s.ttft_later_mean_s, s.ttft_p99_s,
                                  s.throughput_tps, s.prefix_hit_rate, s.predicted_hit_rate))
     return side
+
+
+def _variants(routings: list[str], precise: bool) -> list[tuple[str, str]]:
+    """(profile, prefix source) pairs: every profile on the router's index, and with `precise` every
+    prefix profile on the engines' caches as well."""
+    from loraplex.routing.pipeline import make_profile, prefix_config
+
+    out = [(r, "index") for r in routings]
+    if precise:
+        out += [(r, "engine") for r in routings if prefix_config(make_profile(r)) is not None]
+    return out
 
 
 # ---- report ---------------------------------------------------------------------------------
 
 def format_side(side: Side) -> str:
     lines = [f"== {side.side}: " + ", ".join(f"{k}={v}" for k, v in side.settings.items() if k != "prefix"),
-             f"{'workload':<9}{'routing':<19}{'turns':>6}{'TTFT ms':>9}{'later ms':>9}{'later/base':>11}"
+             f"{'workload':<9}{'routing':<22}{'turns':>6}{'TTFT ms':>9}{'later ms':>9}{'later/base':>11}"
              f"{'P99 ms':>9}{'P99/base':>9}{'tok/s':>9}{'tput/base':>10}{'hit':>7}{'predicted':>10}{'errors':>7}"]
     for row in side.rows:
         base = next((r for r in side.rows if r.workload == row.workload and r.routing == BASELINE), None)
 
         def ratio(value: float, of: float | None) -> str:
-            return f"{value / of:.2f}x" if of else "-"
+            return f"{value / of:.2f}x" if of and math.isfinite(value / of) else "-"
 
         lines.append(
-            f"{row.workload:<9}{row.routing:<19}{row.turns:>6}{row.ttft_mean_s * 1e3:>9.1f}"
-            f"{row.ttft_later_mean_s * 1e3:>9.1f}{ratio(row.ttft_later_mean_s, base and base.ttft_later_mean_s):>11}"
-            f"{row.ttft_p99_s * 1e3:>9.1f}{ratio(row.ttft_p99_s, base and base.ttft_p99_s):>9}"
+            f"{row.workload:<9}{row.routing:<22}{row.turns:>6}{_ms(row.ttft_mean_s):>9}"
+            f"{_ms(row.ttft_later_mean_s):>9}{ratio(row.ttft_later_mean_s, base and base.ttft_later_mean_s):>11}"
+            f"{_ms(row.ttft_p99_s):>9}{ratio(row.ttft_p99_s, base and base.ttft_p99_s):>9}"
             f"{row.throughput_tps:>9.1f}{ratio(row.throughput_tps, base and base.throughput_tps):>10}"
             f"{_pct(row.prefix_hit_rate):>7}{_pct(row.predicted_hit_rate):>10}{row.errors:>7}")
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}" if math.isfinite(seconds) else "-"
 
 
 def _pct(value: float | None) -> str:

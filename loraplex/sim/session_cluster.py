@@ -51,6 +51,9 @@ class SessionClusterConfig:
     seed: int = 0
     engine_overrides: dict = field(default_factory=dict)
     prefix: PrefixConfig | None = None  # the prefix filter's and index's knobs (default PrefixConfig())
+    # where the prefix filter learns what each server holds: "index" (the router's approximate index)
+    # or "engine" (each engine's own prefix cache, read at the pick: precise KV events with no lag)
+    prefix_source: str = "index"
     operating_points: OperatingPoints | None = None  # default: measured on the twin for this workload
 
 
@@ -82,6 +85,11 @@ class _Server:
         self.id = f"sim-{index}"
         self.core, self.clock, self.ids = core, clock, ids
         self.max_rank = core.config.max_lora_rank
+
+    def cached_blocks(self, adapter: str, prompt: list[int]) -> int:
+        """Leading blocks of the prompt its prefix cache holds now (0 without a prefix cache)."""
+        tree = getattr(self.core.memory, "tree", None)
+        return tree.cached_blocks(self.ids[adapter], prompt) if tree is not None else 0
 
     def candidate(self, adapter: str, phi: float, prefix_blocks: int) -> Candidate:
         scheduler = self.core.scheduler
@@ -143,9 +151,12 @@ class _SessionCluster:
         self.by_id = {s.id: s for s in self.servers}
         self.table = place_sessions(workload, profile, config, engine_config.max_lora_rank)
         rng = random.Random(config.seed)
+        if config.prefix_source not in ("index", "engine"):
+            raise ValueError(f"prefix_source must be index or engine, not {config.prefix_source!r}")
         self.router = make_profile(config.routing, random.Random(rng.random()), prefix=config.prefix)
         prefix = prefix_config(self.router)
         self.index = PrefixIndex(prefix) if prefix is not None else None
+        self.precise = config.prefix_source == "engine"
         self.block = engine_config.block_size
         self.tokens = PromptTokens(TWIN_VOCAB, seed=workload.spec.seed)
         self.offers = {a: [(self.by_id[r.server], r.weight) for r in self.table.routes(a)] for a in workload.adapters}
@@ -190,7 +201,12 @@ class _SessionCluster:
         offers = self.offers[adapter]
         keys = (token_keys(adapter_seed(adapter, sim_adapter_id(adapter).digest), prompt, self.block)
                 if self.index is not None else [])
-        matches = self.index.matches((s.id for s, _ in offers), keys, at) if self.index is not None else {}
+        if self.index is None:
+            matches = {}
+        elif self.precise:
+            matches = {s.id: s.cached_blocks(adapter, prompt) for s, _ in offers}
+        else:
+            matches = self.index.matches((s.id for s, _ in offers), keys, at)
         candidates = [server.candidate(adapter, phi, matches.get(server.id, 0)) for server, phi in offers]
         route = RouteRequest(adapter, self.workload.adapters[adapter], len(prompt), len(keys))
         chosen = self.by_id[self.router.pick(route, candidates).server_id]

@@ -15,11 +15,11 @@ TINY_TWIN = ["bench", "prefix-routing", "--side", "twin", "--sessions", "12", "-
 
 def test_twin_side_prints_a_table_and_writes_json(tmp_path, capsys) -> None:
     out = tmp_path / "prefix.json"
-    assert main([*TINY_TWIN, "--json", str(out)]) == 0
+    assert main([*TINY_TWIN, "--precise", "--json", str(out)]) == 0
     assert "later/base" in capsys.readouterr().out
     [twin] = json.loads(out.read_text())["sides"]
     rows = {(r["workload"], r["routing"]): r for r in twin["rows"]}
-    assert set(rows) == {(w, r) for w in ("chat", "unique") for r in ("loraserve", "prefix-aware")}
+    assert set(rows) == {(w, r) for w in ("chat", "unique") for r in ("loraserve", "prefix-aware", "prefix-aware+events")}
     assert rows["chat", "prefix-aware"]["prefix_hit_rate"] > rows["chat", "loraserve"]["prefix_hit_rate"]
     assert rows["unique", "prefix-aware"]["predicted_hit_rate"] == 0.0
     assert rows["chat", "loraserve"]["predicted_hit_rate"] is None
