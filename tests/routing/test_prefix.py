@@ -107,3 +107,9 @@ def test_phi_still_governs_requests_without_prefix_history() -> None:
     assert 0.85 < picks.count("s0") / len(picks) < 0.95
     held = [Candidate("s0", phi=0.9), Candidate("s1", phi=0.1, prefix_blocks=4)]
     assert {profile.pick(RouteRequest("a", prefix_blocks=4), held).server_id for _ in range(50)} == {"s1"}
+
+
+def test_a_huge_prompt_gets_a_bounded_number_of_keys() -> None:
+    from loraplex.routing.prefix import MAX_CHUNKS
+
+    assert len(body_keys(SEED, {"prompt": "x" * 64 * (MAX_CHUNKS + 10)}, 64)) == MAX_CHUNKS
