@@ -14,6 +14,7 @@ and the one the router predicted.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -54,7 +55,8 @@ class Side:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--side", choices=["twin", "engine", "both"], default="both")
+    p.add_argument("--side", choices=["twin", "engine", "both", "index"], default="both",
+                   help="index: only the router's prefix index, its memory and speed at --index-adapters")
     p.add_argument("--routings", default="loraserve,prefix-aware", help=f"profiles: {', '.join(PROFILES)}")
     p.add_argument("--workloads", default="chat,unique", help="chat (multi-turn) and/or unique (no shared prefix)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON here")
@@ -81,6 +83,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("--precise", action="store_true",
                    help="also run each prefix profile on the engines' own prefix caches, read at every pick "
                         "(what precise KV events with no lag would tell the router): rows named PROFILE+events")
+    i = p.add_argument_group("the router's index (--side index)")
+    i.add_argument("--index-adapters", type=int, default=10000)
+    i.add_argument("--index-servers", type=int, default=16)
+    i.add_argument("--index-conversations", type=int, default=40000, help="conversations recorded, 3 servers each")
     e = p.add_argument_group("local stack (tiny model)")
     e.add_argument("--agents", type=int, default=3)
     e.add_argument("--engine-placement", default="min-cost-flow", choices=POLICY_NAMES)
@@ -206,7 +212,54 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
+def measure_index(args: argparse.Namespace) -> dict[str, Any]:
+    """The router's index filled past its bound by conversations over many adapters (each on 3 servers
+    at random): its keys and the memory they take (tracemalloc), and the time to key and match a chat."""
+    import random
+    import time
+    import tracemalloc
+
+    from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys
+
+    config = PrefixConfig.from_options(routing_options(args))
+    index, rng = PrefixIndex(config), random.Random(args.seed)
+    servers = [f"s{i}" for i in range(args.index_servers)]
+
+    def chat(i: int) -> tuple[str, dict]:
+        adapter = f"adapter-{i % args.index_adapters}"
+        return adapter_seed(adapter, "sha256:0"), {"messages": [{"role": "user", "content": f"{i} " + "word " * 600}]}
+
+    tracemalloc.start()
+    for i in range(args.index_conversations):
+        seed, body = chat(i)
+        keys = body_keys(seed, body, config.chunk_chars)
+        for server in rng.sample(servers, min(3, len(servers))):
+            index.record(server, keys, float(i))
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    seed, body = chat(7)
+    keys = body_keys(seed, body, config.chunk_chars)
+    started = time.perf_counter()
+    for _ in range(1000):
+        body_keys(seed, body, config.chunk_chars)
+    hashing = (time.perf_counter() - started) / 1000
+    started = time.perf_counter()
+    for _ in range(1000):
+        index.matches(servers[:3], keys, float(args.index_conversations))
+    matching = (time.perf_counter() - started) / 1000
+    return {"adapters": args.index_adapters, "servers": args.index_servers, "keys": index.size,
+            "bound": config.blocks_per_server * args.index_servers, "memory_mib": round(memory / 2**20, 1),
+            "bytes_per_key": round(memory / max(1, index.size)), "chat_chars": len(json.dumps(body)),
+            "key_us": round(hashing * 1e6, 1), "match_3_servers_us": round(matching * 1e6, 1)}
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.side == "index":
+        result = measure_index(args)
+        print(", ".join(f"{k}={v}" for k, v in result.items()))
+        if args.json:
+            write_bench_json(Path(args.json), "bench prefix-routing", args, {"index": result})
+        return 0
     routings = [r for r in args.routings.split(",") if r]
     kinds = [k for k in args.workloads.split(",") if k]
     unknown = sorted(set(routings) - set(PROFILES)) + sorted(set(kinds) - set(WORKLOADS))

@@ -36,3 +36,10 @@ def test_bad_input_is_one_line(flags, message, capsys) -> None:
     assert main([*TINY_TWIN, *flags]) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_index_side_measures_the_bounded_index(capsys) -> None:
+    assert main(["bench", "prefix-routing", "--side", "index", "--index-adapters", "50", "--index-servers", "4",
+                 "--index-conversations", "60", "--routing-option", "blocks_per_server=100"]) == 0
+    printed = capsys.readouterr().out
+    assert "keys=400," in printed and "bound=400," in printed
