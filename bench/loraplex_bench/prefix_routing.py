@@ -186,7 +186,7 @@ def _variants(routings: list[str], precise: bool) -> list[tuple[str, str]]:
 # ---- report ---------------------------------------------------------------------------------
 
 def format_side(side: Side) -> str:
-    lines = [f"== {side.side}: " + ", ".join(f"{k}={v}" for k, v in side.settings.items() if k != "prefix"),
+    lines = [f"== {side.side}: " + ", ".join(f"{k}={v}" for k, v in side.settings.items() if k not in ("prefix", "phi")),
              f"{'workload':<9}{'routing':<22}{'turns':>6}{'TTFT ms':>9}{'later ms':>9}{'later/base':>11}"
              f"{'P99 ms':>9}{'P99/base':>9}{'tok/s':>9}{'tput/base':>10}{'hit':>7}{'predicted':>10}{'errors':>7}"]
     for row in side.rows:

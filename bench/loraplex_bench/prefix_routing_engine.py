@@ -62,6 +62,8 @@ def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) 
                 routers.update({r: f"http://127.0.0.1:{first + 1 + i}" for i, r in enumerate(routings) if i})
                 adapters = sorted(workloads[kinds[0]].adapters)
                 _wait_placed(stack, adapters, args.agents)
+                table = stack.store.read_table()
+                side.settings["phi"] = {a: sorted(round(r.weight, 2) for r in table.routes(a)) for a in adapters}
                 agents = [s.url for s in stack.store.healthy_servers()]
                 for url in routers.values():
                     _warm_up(url, adapters, stage)
