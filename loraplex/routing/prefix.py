@@ -32,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loraplex.util.args import typed_options
+
 TOKENS_PER_CHAR = 0.25  # English text and code: about four characters a token
 MAX_CHUNKS = 4096  # a prompt's keys stop here (256 KiB of text): hashing stays under ~5 ms a request
 
@@ -56,14 +58,7 @@ class PrefixConfig:
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> PrefixConfig:
         """From KEY=VALUE options; unknown keys are the caller's business (`OPTIONS` names ours)."""
-        fields: dict = {}
-        for key, kind in OPTIONS.items():
-            if key in options:
-                try:
-                    fields[key] = kind(options[key])
-                except ValueError:
-                    raise ValueError(f"prefix option {key}={options[key]!r} is not a number") from None
-        return cls(**fields)
+        return cls(**typed_options(options, OPTIONS, "prefix"))
 
 
 OPTIONS = {"chunk_chars": int, "blocks_per_server": int, "ttl_s": float, "load_factor": float,
