@@ -156,6 +156,7 @@ class Proxy:
         change of the profile's knobs unless the chunk size changes (then they no longer match)."""
         config = prefix_config(self.profile)
         if config is None:
+            self._prefixes = None  # a profile without prefixes: the memory goes back
             return None
         if self._prefixes is None or self._prefixes.config.chunk_chars != config.chunk_chars:
             self._prefixes = PrefixIndex(config)
