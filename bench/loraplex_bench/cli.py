@@ -26,6 +26,7 @@ def _register_twin(registry: CommandRegistry) -> None:
         memory_compare,
         placement_timing,
         placement_twin,
+        prefix_routing,
         routing_compare,
         scheduler_compare,
     )
@@ -40,6 +41,8 @@ def _register_twin(registry: CommandRegistry) -> None:
               placement_twin.configure, placement_twin.run)
     _add_long(registry, "bench routing", "rank-aware vs loraserve vs least-loaded routing under rank skew, in the twin: "
               "throughput at the SLO and P95 TBT", routing_compare.configure, routing_compare.run)
+    _add_long(registry, "bench prefix-routing", "prefix-aware vs loraserve routing on multi-turn chat sessions, in "
+              "the cluster twin and on a local stack (3+ agents)", prefix_routing.configure, prefix_routing.run)
 
 
 def _register_engine(registry: CommandRegistry) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplex.routing.pipeline import Profile, configured_by_options, make_profile
+from loraplex.routing.prefix import OPTIONS as PREFIX_OPTIONS
+from loraplex.routing.prefix import PrefixConfig
 from loraplex.routing.rank_aware import RankAwareConfig
 
 if TYPE_CHECKING:
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RoutingChoice:
     """A profile of `loraplex.routing.pipeline.PROFILES` and its KEY=VALUE options (those of
-    `RankAwareConfig.from_options`)."""
+    `RankAwareConfig.from_options` and `PrefixConfig.from_options`)."""
 
     profile: str
     options: Mapping[str, str] = field(default_factory=dict)
@@ -39,11 +41,19 @@ def build_profile(choice: RoutingChoice, rng: random.Random | None = None, score
     """The profile the choice names; `scorers` and `picker` override its own (the router's flags).
     Raises ValueError on an unknown profile, option or value, and on options for a profile that reads
     none (they would do nothing, silently)."""
-    rank_aware = RankAwareConfig.from_options(choice.options) if choice.options else None
-    profile = make_profile(choice.profile, rng, scorers=scorers, picker=picker, rank_aware=rank_aware)
-    if choice.options and not configured_by_options(profile):
-        raise ValueError(f"routing profile {choice.profile!r} takes no options (they set up the slo filter and "
-                         f"the rank-aware scorer); got {sorted(choice.options)}")
+    prefix_options = {k: v for k, v in choice.options.items() if k in PREFIX_OPTIONS}
+    rank_options = {k: v for k, v in choice.options.items() if k not in PREFIX_OPTIONS}
+    rank_aware = RankAwareConfig.from_options(rank_options) if rank_options else None
+    prefix = PrefixConfig.from_options(prefix_options) if prefix_options else None
+    profile = make_profile(choice.profile, rng, scorers=scorers, picker=picker, rank_aware=rank_aware,
+                           prefix=prefix)
+    reads = configured_by_options(profile)
+    if rank_options and "rank-aware" not in reads:
+        raise ValueError(f"routing profile {choice.profile!r} takes no options (they set up the slo filter "
+                         f"and the rank-aware scorer); got {sorted(rank_options)}")
+    if prefix_options and "prefix" not in reads:
+        raise ValueError(f"routing profile {choice.profile!r} takes no prefix options (they set up the prefix "
+                         f"filter of prefix-aware and prefix-rank-aware); got {sorted(prefix_options)}")
     return profile
 
 

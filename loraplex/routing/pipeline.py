@@ -8,7 +8,9 @@ that are data, and a picker chooses one server from the weighted scores.
 The default profile is LoRAServe's: keep healthy servers the table assigns the adapter to, score
 each by its φ and pick at random in proportion to the score, so P(server) = φ renormalised over the
 healthy servers (paper §3.8). `rank-aware` is Toppings' Algorithm 1 over the servers' live batches
-(`loraplex.routing.rank_aware`); `least-loaded` takes the shortest queue.
+(`loraplex.routing.rank_aware`); `least-loaded` takes the shortest queue. `prefix-aware` and
+`prefix-rank-aware` first keep the servers that hold the longest cached prefix of the request under a
+load ceiling (`loraplex.routing.prefix`), then pick as `loraserve` and `rank-aware` do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loraplex.routing.prefix import PrefixConfig
 from loraplex.routing.rank_aware import RankAwareConfig, RankAwareScorer, SloFilter
 from loraplex.routing.records import ServerBatch
 
@@ -42,16 +45,18 @@ class Candidate:
     queue_depth: int = 0                # running + waiting requests (best knowledge)
     max_rank: int | None = None         # the largest rank the server accepts; None: no limit
     batch: ServerBatch | None = None    # its live batch by rank; None: not reported or stale
+    prefix_blocks: int = 0              # leading prefix blocks of the request it is known to hold
 
 
 @dataclass(frozen=True)
 class RouteRequest:
     """What the policy needs to know about a request: the adapter (None for the base model), its rank
-    and, when known, its prompt length."""
+    and, when known, its prompt length and how many prefix blocks (`loraplex.routing.prefix`) it has."""
 
     adapter: str | None
     rank: int | None = None
     prompt_tokens: int | None = None
+    prefix_blocks: int = 0
 
 
 class Filter(Protocol):
@@ -130,6 +135,28 @@ class AssignedFilter:
             return assigned
         holding = [c for c in candidates if c.residency > Residency.NONE]
         return holding or candidates
+
+
+@dataclass
+class PrefixFilter:
+    """Keeps the servers under the load ceiling with the longest prefix match (`loraplex.routing.prefix`).
+    Every candidate when no server matches: the scorers decide as they would without prefixes."""
+
+    config: PrefixConfig = field(default_factory=PrefixConfig)
+    name = "prefix"
+    reads_load = True
+
+    def filter(self, request: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
+        floor = self.config.min_match
+        if request.prefix_blocks < floor or max(c.prefix_blocks for c in candidates) < floor:
+            return candidates
+        least = min(c.queue_depth for c in candidates)
+        ceiling = least * self.config.load_factor + self.config.load_slack
+        light = [c for c in candidates if c.queue_depth <= ceiling]
+        best = max(c.prefix_blocks for c in light)
+        if best < floor:
+            return light
+        return [c for c in light if c.prefix_blocks == best]
 
 
 # ---- scorers --------------------------------------------------------------------------------
@@ -271,12 +298,12 @@ def clamp_unit(values: list[float]) -> list[float]:
 
 
 FILTERS: dict[str, Callable[[], Filter]] = {
-    f.name: f for f in (HealthyFilter, RankFilter, AssignedFilter, SloFilter)}
+    f.name: f for f in (HealthyFilter, RankFilter, AssignedFilter, SloFilter, PrefixFilter)}
 SCORERS: dict[str, Callable[[], Scorer]] = {
     s.name: s for s in (PhiScorer, QueueScorer, ResidencyScorer, RankAwareScorer)}
 PICKERS: dict[str, Callable[[], Picker]] = {
     p.name: p for p in (WeightedRandomPicker, MaxScorePicker)}
-_CONFIGURED = (SloFilter, RankAwareScorer)  # built with the profile's RankAwareConfig
+_RANK_AWARE = (SloFilter, RankAwareScorer)  # built with the profile's RankAwareConfig
 
 DEFAULT_FILTERS = ("healthy", "rank", "assigned")
 
@@ -298,14 +325,19 @@ PROFILES: dict[str, ProfileSpec] = {
     "least-loaded": ProfileSpec({"queue": 1.0}, "max-score"),
     # Toppings' Algorithm 1 over the servers the table assigns the adapter to; φ routing without batches
     "rank-aware": ProfileSpec({"rank-aware": 1.0}, "max-score", DEFAULT_FILTERS + ("slo",), "loraserve"),
+    # the servers holding the request's longest cached prefix under a load ceiling, then as above
+    "prefix-aware": ProfileSpec({"phi": 1.0}, "weighted-random", DEFAULT_FILTERS + ("prefix",)),
+    "prefix-rank-aware": ProfileSpec({"rank-aware": 1.0}, "max-score", DEFAULT_FILTERS + ("slo", "prefix"),
+                                     "prefix-aware"),
 }
 
 
 def make_profile(name: str = "loraserve", rng: random.Random | None = None,
                  scorers: dict[str, float] | None = None, picker: str | None = None,
-                 rank_aware: RankAwareConfig | None = None) -> Profile:
+                 rank_aware: RankAwareConfig | None = None, prefix: PrefixConfig | None = None) -> Profile:
     """Build a profile by name; `scorers` and `picker` override the named profile's choices.
-    `rank_aware` configures the `slo` filter and the `rank-aware` scorer (latency model, SLO)."""
+    `rank_aware` configures the `slo` filter and the `rank-aware` scorer (latency model, SLO);
+    `prefix` the `prefix` filter (and the router's prefix index)."""
     if name not in PROFILES:
         raise ValueError(f"unknown routing profile {name!r}; choose one of {sorted(PROFILES)}")
     spec = PROFILES[name]
@@ -319,19 +351,30 @@ def make_profile(name: str = "loraserve", rng: random.Random | None = None,
         raise ValueError(f"scorer weights must be >= 0, got {weights}")
     rng = rng or random.Random()
     config = rank_aware or RankAwareConfig()
+    prefix = prefix or PrefixConfig()
 
     def build(factory: Callable) -> Any:
-        return factory(config) if factory in _CONFIGURED else factory()
+        if factory in _RANK_AWARE:
+            return factory(config)
+        return factory(prefix) if factory is PrefixFilter else factory()
 
     return Profile(filters=[build(FILTERS[n]) for n in spec.filters],
                    scorers=[(build(SCORERS[n]), w) for n, w in weights.items()],
                    picker=PICKERS[picker_name](), rng=rng,
-                   fallback=make_profile(spec.fallback, rng) if spec.fallback else None)
+                   fallback=make_profile(spec.fallback, rng, prefix=prefix) if spec.fallback else None)
 
 
-def configured_by_options(profile: Profile) -> bool:
-    """Whether a filter or scorer of `profile` reads its RankAwareConfig (what routing options set)."""
-    return any(isinstance(part, _CONFIGURED) for part in [*profile.filters, *(s for s, _ in profile.scorers)])
+def configured_by_options(profile: Profile) -> set[str]:
+    """Which options `profile` reads: 'rank-aware' when a filter or scorer reads its RankAwareConfig,
+    'prefix' when it has the prefix filter."""
+    parts = [*profile.filters, *(s for s, _ in profile.scorers)]
+    return ({"rank-aware"} if any(isinstance(p, _RANK_AWARE) for p in parts) else set()) | (
+        {"prefix"} if prefix_config(profile) else set())
+
+
+def prefix_config(profile: Profile) -> PrefixConfig | None:
+    """The config of the profile's prefix filter; None when it has none (the router keeps no index)."""
+    return next((f.config for f in profile.filters if isinstance(f, PrefixFilter)), None)
 
 
 def parse_weights(text: str) -> dict[str, float]:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraplex.routing.records import ServerBatch
+from loraplex.util.args import typed_options
 
 if TYPE_CHECKING:
     from loraplex.routing.pipeline import Candidate, RouteRequest
@@ -205,13 +206,7 @@ class RankAwareConfig:
         unknown = sorted(set(options) - set(numbers) - {"latency_profile"})
         if unknown:
             raise ValueError(f"unknown rank-aware options {unknown}; known: latency_profile, {', '.join(numbers)}")
-        fields: dict = {}
-        for key, kind in numbers.items():
-            if key in options:
-                try:
-                    fields[key] = kind(options[key])
-                except ValueError:
-                    raise ValueError(f"rank-aware option {key}={options[key]!r} is not a number") from None
+        fields = typed_options(options, numbers, "rank-aware")
         if "latency_profile" in options:
             fields["model"] = LatencyModel.load(options["latency_profile"])
         return cls(**fields)

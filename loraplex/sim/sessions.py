@@ -260,7 +260,7 @@ class _Driver:
         prompt = (self._system(session.adapter) + new if previous is None
                   else previous.prompt_token_ids + previous.output_token_ids + new)
         adapter = self.core.adapters[session.adapter].id
-        request = Request(f"s{session.index}-t{turn}", prompt, _sampling(spec.output_tokens), adapter=adapter,
+        request = Request(f"s{session.index}-t{turn}", prompt, turn_sampling(spec.output_tokens), adapter=adapter,
                           arrival_time=at)
         self.core.add_request(request)
         record = TurnRecord(session.index, turn, session.adapter, request)
@@ -307,7 +307,7 @@ class _Driver:
             raise RuntimeError("the engine admits none of its waiting requests while idle")
 
 
-def _sampling(max_tokens: int) -> SamplingParams:
+def turn_sampling(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
 
 

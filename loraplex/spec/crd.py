@@ -317,7 +317,8 @@ class SizingSpec(CrdModel):
 # routing; a test keeps the two equal). The CRD's enum refuses any other name; the model takes any
 # well-formed one, so that a name that gets past an older or newer CRD makes the pool
 # Failed/InvalidRouting with the routers' list (and `loraplex up` refuses it with the same words).
-ROUTING_PROFILES = ("loraserve", "load-aware", "least-loaded", "rank-aware")
+ROUTING_PROFILES = ("loraserve", "load-aware", "least-loaded", "rank-aware", "prefix-aware",
+                    "prefix-rank-aware")
 
 
 class RoutingSpec(CrdModel):
@@ -326,11 +327,13 @@ class RoutingSpec(CrdModel):
 
     profile: str = Field(pattern=r"^[a-z][a-z0-9-]{0,31}$", json_schema_extra={"enum": list(ROUTING_PROFILES)},
                          description="loraserve (phi-weighted random), load-aware (phi + queue depth + "
-                                     "residency), least-loaded (shortest queue) or rank-aware (Toppings: the least "
-                                     "extra per-token latency, with an SLO filter); docs/router.md")
+                                     "residency), least-loaded (shortest queue), rank-aware (Toppings: the least "
+                                     "extra per-token latency, with an SLO filter), prefix-aware or "
+                                     "prefix-rank-aware (first the servers holding the request's longest cached "
+                                     "prefix, under a load ceiling); docs/router.md")
     options: dict[str, str] = Field(default_factory=dict, description="Knobs of the profile by name, the keys "
-                                    "--routing-option takes, e.g. slo_tpot_s: '0.05' or latency_profile: "
-                                    "whatif-h100-llama8b; an unknown key or a bad value makes the pool "
+                                    "--routing-option takes, e.g. slo_tpot_s: '0.05', latency_profile: "
+                                    "whatif-h100-llama8b or load_slack: '2'; an unknown key or a bad value makes the pool "
                                     "Failed/InvalidRouting")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -71,3 +71,16 @@ class RefusingParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise ValueError(message)
+
+
+def typed_options(options: Mapping[str, str], kinds: Mapping[str, Callable[[str], object]], what: str) -> dict:
+    """The KEY=VALUE `options` named in `kinds`, each converted by its kind (the others are left out);
+    ValueError naming `what` and the option when a value does not convert."""
+    values: dict = {}
+    for key, kind in kinds.items():
+        if key in options:
+            try:
+                values[key] = kind(options[key])
+            except ValueError:
+                raise ValueError(f"{what} option {key}={options[key]!r} is not a number") from None
+    return values

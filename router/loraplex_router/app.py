@@ -90,8 +90,10 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
             label = model
             settings.keys.check(key, adapter, model)
             payload, stream, wants_usage = prepare_body(body, raw)
-            fwd = Forward(path, payload, model, adapter, stream, wants_usage, time.monotonic())
-            return await request.app.state.proxy.forward(snapshot, fwd)
+            proxy = request.app.state.proxy
+            fwd = Forward(path, payload, model, adapter, stream, wants_usage, time.monotonic(),
+                          proxy.prefix_keys(snapshot, adapter, body))
+            return await proxy.forward(snapshot, fwd)
         except LoraplexError as exc:
             metrics.requests.labels(label, str(exc.status)).inc()
             return error_response(exc)

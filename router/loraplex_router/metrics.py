@@ -38,6 +38,13 @@ class RouterMetrics:
         self.servers = Gauge("loraplex_router_servers", "Live servers in the snapshot", registry=r)
         self.routing_profile = Info("loraplex_router_routing_profile", "The routing profile in use, and where "
                                     "it comes from (table: the pool's spec.routing; flags: --profile)", registry=r)
+        self.prefix_blocks = Counter("loraplex_router_prefix_blocks",
+                                     "Prefix blocks of routed requests (prefix-aware profiles), by kind: requested "
+                                     "(every block) or matched (those the chosen server was predicted to hold); "
+                                     "matched / requested is the hit rate the router predicted", ["kind"],
+                                     registry=r)
+        self.prefix_index_keys = Gauge("loraplex_router_prefix_index_keys",
+                                       "Prefix keys in the router's index, all servers together", registry=r)
         self._outliers(r)
 
     def _outliers(self, r: CollectorRegistry) -> None:

@@ -16,6 +16,10 @@ through, the answer is committed to that server. An attempt fails before its fir
   request's last allowed attempt is never given up, nor one with no other server left to try:
   waiting beats failing.
 
+With a prefix-aware profile the proxy keeps the router's prefix index (`loraplex.routing.prefix`):
+each pick reads how many leading prefix blocks of the request every candidate holds, and records
+the request's blocks for the server it chose.
+
 Deadline misses and failed connections feed the outlier detector (`loraplex.routing.outliers`);
 no request picks an ejected server until its ejection ends. A server ejected for silence is also
 dropped from the registry at once (`TableCache.drop_server`), not when its heartbeat TTL runs out.
@@ -34,7 +38,8 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
-from loraplex.routing.pipeline import NoCandidateError, Profile
+from loraplex.routing.pipeline import NoCandidateError, Profile, prefix_config
+from loraplex.routing.prefix import PrefixIndex, adapter_seed, body_keys
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import UpstreamError
@@ -97,6 +102,7 @@ class Forward:
     stream: bool
     client_wants_usage: bool  # the client itself asked for stream usage
     arrived_at: float
+    prefix: list[int] = field(default_factory=list)  # the prompt's prefix keys (prefix-aware profiles)
 
 
 def prepare_body(body: dict, raw: bytes) -> tuple[bytes, bool, bool]:
@@ -135,11 +141,32 @@ class Proxy:
         self.deadline = TtfbDeadline(config.ttfb_deadline_s)
         self.in_flight: dict[str, int] = {}
         self.metrics.ttfb_deadline.set(self.deadline.current())
+        self._prefixes: PrefixIndex | None = None
+
+    def prefix_keys(self, snapshot: Snapshot, adapter: str | None, body: dict) -> list[int]:
+        """The request's prefix keys when the profile in use reads prefixes, else none."""
+        index = self._prefix_index()
+        if index is None:
+            return []
+        record = snapshot.adapters.get(adapter) if adapter is not None else None
+        return body_keys(adapter_seed(adapter, record.digest if record else ""), body, index.config.chunk_chars)
+
+    def _prefix_index(self) -> PrefixIndex | None:
+        """The index, made when a prefix-aware profile comes into use; its keys are kept across a
+        change of the profile's knobs unless the chunk size changes (then they no longer match)."""
+        config = prefix_config(self.profile)
+        if config is None:
+            self._prefixes = None  # a profile without prefixes: the memory goes back
+            return None
+        if self._prefixes is None or self._prefixes.config.chunk_chars != config.chunk_chars:
+            self._prefixes = PrefixIndex(config)
+        self._prefixes.config = config
+        return self._prefixes
 
     async def forward(self, snapshot: Snapshot, fwd: Forward) -> Response:
         tried: set[str] = set()
         for attempt in range(self.config.max_attempts):
-            server = self._pick(snapshot, fwd.adapter, tried)
+            server = self._pick(snapshot, fwd.adapter, tried, fwd.prefix)
             tried.add(server)
             if attempt:
                 self.metrics.retries.inc()
@@ -150,17 +177,32 @@ class Proxy:
                 self.metrics.upstream_failures.labels(server).inc()
         raise UpstreamError(f"{len(tried)} servers failed before answering: {sorted(tried)}")
 
-    def _pick(self, snapshot: Snapshot, adapter: str | None, tried: set[str]) -> str:
+    def _pick(self, snapshot: Snapshot, adapter: str | None, tried: set[str], prefix: list[int]) -> str:
         ejected = self.detector.ejected(self.view().servers)
         self.metrics.ejected.set(len(ejected))
-        candidates = snapshot.candidates(adapter, tried | ejected, self.in_flight)
+        index = self._prefix_index() if prefix else None
+        now = time.monotonic()
+        matches = index.matches(snapshot.servers, prefix, now) if index is not None else {}
+        candidates = snapshot.candidates(adapter, tried | ejected, self.in_flight, matches)
         try:
-            server = self.profile.pick(snapshot.route_request(adapter), candidates).server_id
+            server = self.profile.pick(snapshot.route_request(adapter, prefix_blocks=len(prefix)),
+                                       candidates).server_id
         except NoCandidateError as exc:
             raise OverloadedError(f"no healthy server can serve this model ({exc.reason})",
                                   code="no_healthy_server") from exc
         self.metrics.picks.labels(server).inc()
+        if index is not None:
+            self._record_prefix(index, snapshot, server, prefix, matches.get(server, 0), now)
         return server
+
+    def _record_prefix(self, index: PrefixIndex, snapshot: Snapshot, server: str, prefix: list[int], matched: int,
+                       now: float) -> None:
+        if not index.servers.keys() <= snapshot.servers.keys():
+            index.retain(snapshot.servers)
+        index.record(server, prefix, now)
+        self.metrics.prefix_blocks.labels("requested").inc(len(prefix))
+        self.metrics.prefix_blocks.labels("matched").inc(matched)
+        self.metrics.prefix_index_keys.set(index.size)
 
     async def _attempt(self, snapshot: Snapshot, fwd: Forward, attempt: _Attempt) -> Response:
         server = attempt.server

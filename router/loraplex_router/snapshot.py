@@ -80,24 +80,29 @@ class Snapshot:
     def knows(self, model: str) -> bool:
         return model in self.adapters or bool(self.table and model in self.table.entries)
 
-    def route_request(self, adapter: str | None, prompt_tokens: int | None = None) -> RouteRequest:
-        """`prompt_tokens`: the prompt's length when the caller knows it (rank-aware routing uses it)."""
+    def route_request(self, adapter: str | None, prompt_tokens: int | None = None,
+                      prefix_blocks: int = 0) -> RouteRequest:
+        """`prompt_tokens`: the prompt's length when the caller knows it (rank-aware routing uses it);
+        `prefix_blocks`: how many prefix keys the router computed for it (prefix-aware routing)."""
         if adapter is None:
-            return RouteRequest(None, prompt_tokens=prompt_tokens)
+            return RouteRequest(None, prompt_tokens=prompt_tokens, prefix_blocks=prefix_blocks)
         record = self.adapters.get(adapter)
         entry = self.table.entries.get(adapter) if self.table else None
         rank = record.rank if record else entry.rank if entry else None
-        return RouteRequest(adapter, rank, prompt_tokens)
+        return RouteRequest(adapter, rank, prompt_tokens, prefix_blocks)
 
-    def candidates(self, adapter: str | None, down: set[str], in_flight: Mapping[str, int]) -> list[Candidate]:
+    def candidates(self, adapter: str | None, down: set[str], in_flight: Mapping[str, int],
+                   prefix_matches: Mapping[str, int] | None = None) -> list[Candidate]:
         """Every registered server as the policy sees it. `down` are servers this router just failed
         to reach; `in_flight` is this router's own count of open requests per server, fresher than
-        the load in the last heartbeat."""
+        the load in the last heartbeat; `prefix_matches` the prefix blocks of the request each server
+        holds, as far as the router's prefix index knows."""
         phis = {r.server: r.weight for r in self.table.routes(adapter)} if self.table and adapter else {}
+        matches = prefix_matches or {}
         return [Candidate(server_id=s.id, healthy=s.id not in down, phi=phis.get(s.id, 0.0),
                           residency=_residency(s, adapter), max_rank=s.max_rank,
                           queue_depth=max(in_flight.get(s.id, 0), s.load.running + s.load.waiting),
-                          batch=self._batch(s, in_flight.get(s.id, 0)))
+                          batch=self._batch(s, in_flight.get(s.id, 0)), prefix_blocks=matches.get(s.id, 0))
                 for s in self.servers.values()]
 
     def late_after_s(self, server_id: str) -> float | None:

@@ -56,15 +56,16 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: int = 0) -> RouterEnv:
+def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: int = 0,
+             profile: str = "loraserve") -> RouterEnv:
     store = InMemoryRoutingStore("test", MonotonicClock(), window_s=1.0)
     echoes = {f"s{i}": ThreadedServer(EchoServer(f"s{i}"), free_port()).start() for i in range(num_echoes)}
     for sid, server in echoes.items():
         store.register_server(ServerRecord(sid, server.url, max_rank=64, base_model=BASE), ttl_s=600)
     for name in ("a", "b", "c"):
         store.put_adapter(AdapterRecord(name, DIGEST, 8, 1000, f"file:///adapters/{name}"))
-    settings = RouterSettings(profile=make_profile("loraserve", rng=random.Random(seed)), keys=keys or KeyRing(),
-                              poll_interval_s=0.05, outliers=OutlierConfig(base_ejection_s=60))
+    settings = RouterSettings(profile=make_profile(profile, rng=random.Random(seed)), profile_name=profile,
+                              keys=keys or KeyRing(), poll_interval_s=0.05, outliers=OutlierConfig(base_ejection_s=60))
     app = create_app(store, settings)
     router = ThreadedServer(app, free_port()).start()
     env = RouterEnv(store, router, echoes, app)

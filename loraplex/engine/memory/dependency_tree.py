@@ -183,6 +183,12 @@ class DependencyTree:
             visited.last_access = now
         return Match(node, blocks, self.block_size)
 
+    def cached_blocks(self, adapter: AdapterId | None, token_ids: Sequence[int]) -> int:
+        """How many leading full blocks of `token_ids` the tree holds under `adapter` (any tier),
+        without counting a visit: what a router told of every insert and eviction would know."""
+        node = self.root.children.get(adapter)
+        return len(self._walk(node, token_ids)) if node is not None else 0
+
     def insert(self, adapter: AdapterId | None, token_ids: Sequence[int], pages: Sequence[int]) -> Inserted:
         """Adopt `pages[i]` (the device page of full block i) for each block not yet in the tree.
 

@@ -1,0 +1,43 @@
+"""Prefix-aware routing over real HTTP: a conversation's later turns go where its earlier turns went,
+with the `openai` client re-sending the previous answers, and the router counts what it predicted."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+from openai import OpenAI
+
+
+def converse(client: OpenAI, adapter: str, index: int, turns: int) -> list[str]:
+    """The servers that answered each turn of one conversation."""
+    messages = [{"role": "system", "content": f"You are assistant number {index}. " * 8}]
+    servers = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"conversation {index}, question {turn}: " + "why? " * 20})
+        answer = client.chat.completions.with_raw_response.create(model=adapter, messages=messages, max_tokens=8)
+        servers.append(answer.headers["x-loraplex-server"])
+        messages.append({"role": "assistant", "content": answer.parse().choices[0].message.content})
+    return servers
+
+
+def counter(text: str, kind: str) -> float:
+    match = re.search(rf'^loraplex_router_prefix_blocks_total{{kind="{kind}"}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_later_turns_follow_the_first(make_router_env) -> None:
+    env = make_router_env(profile="prefix-aware")
+    client = OpenAI(base_url=env.router.url + "/v1", api_key="none")
+    conversations = [converse(client, "b", i, 3) for i in range(12)]
+    assert all(len(set(servers)) == 1 for servers in conversations), conversations
+    assert len({servers[0] for servers in conversations}) > 1  # φ spreads the conversations themselves
+    metrics = httpx.get(env.router.url + "/metrics").text
+    requested, matched = counter(metrics, "requested"), counter(metrics, "matched")
+    assert 0 < matched < requested
+
+
+def test_loraserve_keeps_no_index(router_env) -> None:
+    client = OpenAI(base_url=router_env.router.url + "/v1", api_key="none")
+    converse(client, "b", 0, 2)
+    assert counter(httpx.get(router_env.router.url + "/metrics").text, "requested") == 0
