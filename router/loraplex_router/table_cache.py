@@ -122,8 +122,8 @@ class TableCache:
             # on the whole last snapshot until a table is published again.
             return replace(old, taken_at=now)
         table = old.table
-        if version is not None and version != old.version:
-            table = self.store.read_table(version) or old.table
+        if version is not None and version != old.version:  # the store applies the deltas since its last read
+            table = self.store.read_table() or old.table
         adapters = old.adapters
         if table is not old.table or now - self._adapters_read_at >= self.adapters_every_s:
             adapters = {a.name: a for a in self.store.adapters()}

@@ -30,11 +30,13 @@ def _adapter(name: str, rank: int = 8) -> AdapterRecord:
 def test_publish_read_and_versions(store_under_test):
     store = store_under_test.store
     assert store.current_version() is None and store.read_table() is None
-    store.publish_table(_table(1))
-    store.publish_table(_table(2))
+    store.publish_table(_table(1, adapters=10))
+    second = RoutingTable(2, 2.0, {**_table(1, adapters=10).entries, "a0": _table(2, adapters=1).entries["a0"]})
+    store.publish_table(second)
     assert store.current_version() == 2
-    assert store.read_table() == _table(2)
-    assert store.read_table(1) == _table(1)  # retained for a while after being superseded
+    assert store.read_table() == second
+    assert store.read_table(1) == _table(1, adapters=10)  # a superseded version stays readable a while
+    assert store.read_table(3) is None
     for stale in (2, 1):
         with pytest.raises(StaleVersionError):
             store.publish_table(_table(stale))

@@ -131,10 +131,10 @@ class ClusterMember:
         """Bring host memory in line with the current table: prefetch assigned, drop unassigned."""
         version = await asyncio.to_thread(self.store.current_version)
         if version is not None and version != self.version:
-            table = await asyncio.to_thread(self.store.read_table, version)
+            table = await asyncio.to_thread(self.store.read_table)  # the deltas since the last read, applied
             if table is not None:
                 self._assigned = set(table.assignments(self.settings.server_id))
-                self.version = version
+                self.version = table.version
         records = {r.name: r for r in await asyncio.to_thread(self.store.adapters)}
         await self._prefetch([records[n] for n in sorted(self._assigned) if n in records])
         await self._evict(records)
