@@ -7,7 +7,7 @@ import functools
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 import redis
@@ -318,7 +318,9 @@ class RedisRoutingStore:
         return AdapterRecord.from_json(payload, _holders(held)) if payload is not None else None
 
     @_unavailable_on_redis_error
-    def adapters(self) -> list[AdapterRecord]:
+    def adapters(self, names: Collection[str] | None = None) -> list[AdapterRecord]:
+        if names is not None:
+            return self._some_adapters(sorted(set(names)))
         with self._client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.adapters)
             pipe.hgetall(self.keys.locations)
@@ -331,15 +333,29 @@ class RedisRoutingStore:
                 parsed[name] = cached
                 result.append(cached[1])
                 continue
-            try:
-                record = AdapterRecord.from_json(raw[0], _holders(raw[1]))
-            except RecordError:
-                log.exception("ignoring a malformed adapter record %r in pool %s", name, self.pool)
-                continue
-            parsed[name] = (raw, record)
-            result.append(record)
+            record = self._parse_adapter(name, raw)
+            if record is not None:
+                parsed[name] = (raw, record)
+                result.append(record)
         self._parsed = parsed
         return result
+
+    def _some_adapters(self, names: list[str]) -> list[AdapterRecord]:
+        if not names:
+            return []
+        with self._client.pipeline(transaction=False) as pipe:
+            pipe.hmget(self.keys.adapters, names)
+            pipe.hmget(self.keys.locations, names)
+            records, locations = pipe.execute()
+        found = (self._parse_adapter(n, (r, h)) for n, r, h in zip(names, records, locations, strict=True) if r)
+        return [record for record in found if record is not None]
+
+    def _parse_adapter(self, name: str, raw: tuple[str, str | None]) -> AdapterRecord | None:
+        try:
+            return AdapterRecord.from_json(raw[0], _holders(raw[1]))
+        except RecordError:
+            log.exception("ignoring a malformed adapter record %r in pool %s", name, self.pool)
+            return None
 
     @_unavailable_on_redis_error
     def add_location(self, adapter: str, server_id: str) -> None:

@@ -87,6 +87,9 @@ def test_adapter_registry_and_locations(store_under_test):
     store.put_adapter(_adapter("a", 32))  # replacing the record keeps its locations
     assert [(r.name, r.rank, r.locations) for r in store.adapters()] == [
         ("a", 32, frozenset({"s1", "s2"})), ("b", 16, frozenset())]
+    assert store.adapters(["b", "a", "missing", "a"]) == store.adapters()  # only these: one read
+    assert [(r.name, r.locations) for r in store.adapters(["a"])] == [("a", frozenset({"s1", "s2"}))]
+    assert store.adapters([]) == []
     assert store.remove_location("a", "s1") is True
     assert store.remove_location("a", "s2") is False  # the last copy stays
     assert store.get_adapter("a").locations == frozenset({"s2"})
