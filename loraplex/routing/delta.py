@@ -48,12 +48,20 @@ def diff_tables(old: RoutingTable, new: RoutingTable) -> TableDelta:
     return TableDelta(old.version, replace(new, entries=changed), removed, len(new.entries))
 
 
-def apply_delta(table: RoutingTable, delta: TableDelta) -> RoutingTable:
-    """The table `delta` makes of `table`, validated where it changed (the rest was validated when
-    `table` was). Unchanged entries are the same objects in both. Raises DeltaGapError when the
-    delta is not based on `table`'s version, RoutingTableError when the result is not valid."""
+def validate_delta(delta: TableDelta) -> TableDelta:
+    """Checks what a delta brings (its header and the entries it sets) as RoutingTable.validate checks
+    a whole table; the entries it leaves alone were checked when their table was."""
     if delta.version <= delta.base:
         raise RoutingTableError(f"delta {delta.base}->{delta.version} does not go forward")
+    RoutingTable(delta.version, delta.table.created_at, delta.table.entries).validate()
+    return delta
+
+
+def apply_delta(table: RoutingTable, delta: TableDelta) -> RoutingTable:
+    """The table `delta` makes of `table`, validated where it changed (validate_delta). Unchanged
+    entries are the same objects in both. Raises DeltaGapError when the delta is not based on
+    `table`'s version, RoutingTableError when the result is not valid."""
+    validate_delta(delta)
     if delta.base != table.version:
         raise DeltaGapError(f"delta {delta.base}->{delta.version} does not apply to version {table.version}")
     entries = dict(table.entries)
@@ -63,11 +71,6 @@ def apply_delta(table: RoutingTable, delta: TableDelta) -> RoutingTable:
     if len(entries) != delta.count:
         raise RoutingTableError(f"delta {delta.base}->{delta.version} leaves {len(entries)} adapters, "
                                 f"its writer had {delta.count}")
-    replace(delta.table, entries={}).validate()  # the header
-    for name, entry in delta.table.entries.items():
-        if name != entry.adapter:
-            raise RoutingTableError(f"delta key {name!r} holds the entry of {entry.adapter!r}")
-        entry.validate()
     return replace(delta.table, entries=entries)
 
 

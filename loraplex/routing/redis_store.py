@@ -19,6 +19,7 @@ from loraplex.routing.delta import (
     decode_delta,
     diff_tables,
     encode_delta,
+    validate_delta,
 )
 from loraplex.routing.demand import DEFAULT_WINDOW_S, DemandWindows, bucket_of, bucket_ttl_s, complete_buckets
 from loraplex.routing.keys import PoolKeys
@@ -141,7 +142,7 @@ class RedisRoutingStore:
     # routing table
     @_unavailable_on_redis_error
     def publish_table(self, table: RoutingTable) -> None:
-        table.validate()
+        """Validates what changed since the current version (the whole table when there is none)."""
         with self._client.pipeline() as pipe:
             try:
                 # WATCH makes the version check and the write one step: a concurrent publisher makes
@@ -151,8 +152,8 @@ class RedisRoutingStore:
                 if current is not None and int(current) >= table.version:
                     raise StaleVersionError(f"version {table.version} is not newer than current {current}")
                 base = self.read_table(int(current)) if current is not None else None
-                delta = diff_tables(base, table) if base is not None else None
-                self._write(pipe, table, delta)
+                delta = validate_delta(diff_tables(base, table)) if base is not None else None
+                self._write(pipe, table.validate() if delta is None else table, delta)
             except redis.WatchError as exc:
                 raise StaleVersionError(f"another writer published while version {table.version} was written") from exc
         self._cached = table

@@ -182,7 +182,9 @@ def _changed_entries(old: RoutingTable | None, new: RoutingTable | None) -> set[
         return set()
     if old is None or new is None:
         return None
-    changed = {name for name, entry in new.entries.items() if old.entries.get(name) != entry}
+    # a table built from the last one by a delta shares its unchanged entries: `is` decides most
+    changed = {name for name, entry in new.entries.items()
+               if (was := old.entries.get(name)) is not entry and was != entry}
     changed.update(name for name in old.entries if name not in new.entries)
     return changed if len(changed) <= max(CHANGED_AT_ONCE, len(new.entries) // 4) else None
 

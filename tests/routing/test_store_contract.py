@@ -48,6 +48,10 @@ def test_invalid_table_is_never_published(store_under_test):
     with pytest.raises(RoutingTableError):
         store.publish_table(RoutingTable(1, 0.0, {"a": half}))
     assert store.current_version() is None
+    store.publish_table(_table(1))
+    with pytest.raises(RoutingTableError):  # a change that breaks the table (in Redis: an invalid delta)
+        store.publish_table(RoutingTable(2, 0.0, {**_table(1).entries, "a": half}))
+    assert store.current_version() == 1 and store.read_table() == _table(1)
 
 
 def test_announcements_reach_watchers(store_under_test, poll):
