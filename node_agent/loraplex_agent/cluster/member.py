@@ -135,7 +135,9 @@ class ClusterMember:
             if table is not None:
                 self._assigned = set(table.assignments(self.settings.server_id))
                 self.version = table.version
-        records = {r.name: r for r in await asyncio.to_thread(self.store.adapters)}
+        # only the records of what this server is assigned or holds: not the whole registry every pass
+        wanted = self._assigned | self._managed.keys()
+        records = {r.name: r for r in await asyncio.to_thread(self.store.adapters, wanted)}
         await self._prefetch([records[n] for n in sorted(self._assigned) if n in records])
         await self._evict(records)
         await self._assert_locations(records)
