@@ -163,22 +163,22 @@ class RedisRoutingStore:
         to compact, the pointer and the announcement."""
         since, log_bytes = pipe.hmget(self.keys.table_log, "snapshot", "bytes")
         bound = self._max_log_ratio * (pipe.strlen(self.keys.snapshot) or 0)
-        text = encode_delta(delta) if delta is not None and since is not None else None
-        kept = text is not None and len(text) <= bound
-        compact = not kept or (int(log_bytes or 0) + len(text) > bound  # type: ignore[arg-type]
+        text = encode_delta(delta) if delta is not None and since is not None else ""
+        kept = 0 < len(text) <= bound
+        compact = not kept or (int(log_bytes or 0) + len(text) > bound
                                or pipe.zcount(self.keys.deltas, f"({since}", "+inf") + 1 >= self._snapshot_every)
         pipe.multi()
         if kept:
             pipe.zadd(self.keys.deltas, {text: table.version})
         if compact:
             pipe.set(self.keys.snapshot, encode_table(table))
-            if text is None:  # no chain from the last version: the old deltas lead nowhere
+            if not text:  # no chain from the last version: the old deltas lead nowhere
                 pipe.delete(self.keys.deltas)
             else:  # keep the last period's deltas, for readers a little behind
                 pipe.zremrangebyscore(self.keys.deltas, "-inf", since)
             pipe.hset(self.keys.table_log, mapping={"snapshot": table.version, "bytes": 0})
         else:
-            pipe.hincrby(self.keys.table_log, "bytes", len(text))  # type: ignore[arg-type]
+            pipe.hincrby(self.keys.table_log, "bytes", len(text))
         pipe.set(self.keys.current_version, table.version)
         pipe.publish(self.keys.versions_channel, table.version)
         pipe.execute()
