@@ -3,7 +3,7 @@
 The routing table is re-read when a new version is announced on pub/sub or seen by polling (a lost
 announcement only delays the swap by one poll); the store applies the deltas since the last read, so
 a change of one adapter costs a read of one small delta, and the registry records of the adapters it
-changed are read with it (the whole registry is re-read every `adapters_every_s`). Live servers are re-read every poll, because
+added, dropped or re-versioned are read with it (the whole registry is re-read every `adapters_every_s`). Live servers are re-read every poll, because
 heartbeats expire silently; each read also notes when every server's heartbeat was first seen, so
 the proxy can tell a server whose heartbeat is late (`Snapshot.heartbeat_late`). A server the proxy
 found silent (late heartbeat, requests unanswered) is dropped from the server registry at once
@@ -29,7 +29,7 @@ from loraplex_router.metrics import RouterMetrics
 from loraplex_router.snapshot import BATCH_MAX_AGE_S, Snapshot, track_heartbeats
 
 log = logging.getLogger("loraplex.router")
-CHANGED_AT_ONCE = 64  # a new table changing up to this many adapters (or a quarter) reads only their records
+CHANGED_AT_ONCE = 64  # a table re-versioning up to this many adapters (or a quarter) reads only their records
 
 
 class TableCache:
@@ -137,8 +137,8 @@ class TableCache:
 
     def _read_adapters(self, old: Snapshot, table: RoutingTable | None, now: float) -> Mapping[str, AdapterRecord]:
         """The whole registry every `adapters_every_s`; in between, on a new table, the records of the
-        adapters whose entries it added, changed or dropped (one small read for a delta of a few)."""
-        changed = _changed_entries(old.table, table)
+        adapters it added, dropped or re-versioned (one small read, none for a re-placement)."""
+        changed = _changed_adapters(old.table, table)
         if changed is None or now - self._adapters_read_at >= self.adapters_every_s:
             self._adapters_read_at = now
             return {a.name: a for a in self.store.adapters()}
@@ -175,16 +175,18 @@ class TableCache:
             log.debug("demand flush failed, keeping the counts: %s", exc)
 
 
-def _changed_entries(old: RoutingTable | None, new: RoutingTable | None) -> set[str] | None:
-    """The adapters whose entries differ between two tables; None when there is no old table to
-    compare with, or when so many differ that reading the whole registry is as cheap."""
+def _changed_adapters(old: RoutingTable | None, new: RoutingTable | None) -> set[str] | None:
+    """The adapters added, dropped or re-versioned (digest or rank) between two tables: those whose
+    registry records may have changed (a re-placement only moves routes). None when there is no old
+    table to compare with, or when so many changed that reading the whole registry is as cheap."""
     if old is new:
         return set()
     if old is None or new is None:
         return None
     # a table built from the last one by a delta shares its unchanged entries: `is` decides most
     changed = {name for name, entry in new.entries.items()
-               if (was := old.entries.get(name)) is not entry and was != entry}
+               if (was := old.entries.get(name)) is not entry
+               and (was is None or (was.digest, was.rank) != (entry.digest, entry.rank))}
     changed.update(name for name in old.entries if name not in new.entries)
     return changed if len(changed) <= max(CHANGED_AT_ONCE, len(new.entries) // 4) else None
 
