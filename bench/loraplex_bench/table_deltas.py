@@ -171,7 +171,8 @@ def _used_memory(client) -> int:
 
 
 def _table_keys_bytes(client) -> int:
-    return sum(client.memory_usage(k) or 0 for k in client.scan_iter(match=f"loraplex:{{{POOL}}}:table:*"))
+    keys = client.scan_iter(match=f"loraplex:{{{POOL}}}:table:*")
+    return sum(client.memory_usage(k, samples=0) or 0 for k in keys)  # samples=0: every member of the ZSET
 
 
 def _fill_registry(store, servers: list[str], config: dict) -> dict[str, list[str]]:
