@@ -157,8 +157,9 @@ def drive(url: str, config: dict) -> None:
                 table = _changed(table, servers, rng, share)
                 samples.append(_publish(client, store, table, readers))
             result[kind] = _summary(samples)
-        result["pool_MiB"] = (_used_memory(client) - empty) / 2**20
-        result["table_keys_MiB"] = _table_keys_bytes(client) / 2**20
+        result["pool_MiB"] = (_used_memory(client) - empty) / 2**20  # with the clients' buffers
+        result["pool_keys_MiB"] = _keys_bytes(client, "*") / 2**20
+        result["table_keys_MiB"] = _keys_bytes(client, "table:*") / 2**20
         result["reader_rss_MiB"] = readers.rss_mib()
     finally:
         readers.stop()
@@ -170,9 +171,10 @@ def _used_memory(client) -> int:
     return int(client.info("memory")["used_memory"])
 
 
-def _table_keys_bytes(client) -> int:
-    keys = client.scan_iter(match=f"loraplex:{{{POOL}}}:table:*")
-    return sum(client.memory_usage(k, samples=0) or 0 for k in keys)  # samples=0: every member of the ZSET
+def _keys_bytes(client, pattern: str) -> int:
+    """MEMORY USAGE of the pool's keys matching `pattern`, counting every member (samples=0)."""
+    keys = client.scan_iter(match=f"loraplex:{{{POOL}}}:{pattern}")
+    return sum(client.memory_usage(k, samples=0) or 0 for k in keys)
 
 
 def _fill_registry(store, servers: list[str], config: dict) -> dict[str, list[str]]:
