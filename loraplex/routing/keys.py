@@ -42,7 +42,8 @@ class PoolKeys:
 
     @property
     def table_log(self) -> str:
-        """HASH: `snapshot` (the snapshot's version) and `bytes` (the deltas written since it)."""
+        """HASH: `snapshot` (the snapshot's version), `bytes` (the deltas written since it) and
+        `epoch` (a random id of the delta chain, new whenever a table does not follow from the last)."""
         return f"{self.prefix}table:log"
 
     @property

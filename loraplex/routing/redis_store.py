@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
@@ -63,15 +64,15 @@ return 1
 """
 
 # The snapshot and the deltas after it, up to version ARGV[1] ('' : the current one), in one atomic
-# read. Returns {} when there is no table, else {current, snapshot, {delta, ...}}.
+# read. Returns {} when there is no table, else {current, epoch, snapshot, {delta, ...}}.
 _READ_SNAPSHOT = """
 local current = redis.call('GET', KEYS[1])
 local snapshot = redis.call('GET', KEYS[2])
-local since = redis.call('HGET', KEYS[3], 'snapshot')
-if not current or not snapshot or not since then return {} end
+local log = redis.call('HMGET', KEYS[3], 'snapshot', 'epoch')
+if not current or not snapshot or not log[1] or not log[2] then return {} end
 local upto = ARGV[1]
 if upto == '' then upto = current end
-return {current, snapshot, redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, upto)}
+return {current, log[2], snapshot, redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. log[1], upto)}
 """
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -119,9 +120,9 @@ class RedisRoutingStore:
         self._add_location = client.register_script(_ADD_LOCATION)
         self._remove_location = client.register_script(_REMOVE_LOCATION)
         self._read_snapshot = client.register_script(_READ_SNAPSHOT)
-        # The last current table read or published: the base the next deltas apply to (a version
-        # never changes once published).
-        self._cached: RoutingTable | None = None
+        # The last current table read or published, with the epoch of its delta chain: the base the
+        # next deltas apply to, while the chain is the same one.
+        self._held: tuple[str, RoutingTable] | None = None
         # The records of the last registry read by their raw values: a pool of thousands of adapters
         # is re-read every few seconds, and decodes only what changed.
         self._parsed: dict[str, tuple[tuple[str, str | None], AdapterRecord]] = {}
@@ -153,15 +154,16 @@ class RedisRoutingStore:
                     raise StaleVersionError(f"version {table.version} is not newer than current {current}")
                 base = self.read_table(int(current)) if current is not None else None
                 delta = validate_delta(diff_tables(base, table)) if base is not None else None
-                self._write(pipe, table.validate() if delta is None else table, delta)
+                epoch = self._write(pipe, table.validate() if delta is None else table, delta)
             except redis.WatchError as exc:
                 raise StaleVersionError(f"another writer published while version {table.version} was written") from exc
-        self._cached = table
+        self._held = (epoch, table)
 
-    def _write(self, pipe: Any, table: RoutingTable, delta: TableDelta | None) -> None:
+    def _write(self, pipe: Any, table: RoutingTable, delta: TableDelta | None) -> str:
         """Queues and runs the MULTI that publishes `table`: its delta, a new snapshot when it is time
-        to compact, the pointer and the announcement."""
-        since, log_bytes = pipe.hmget(self.keys.table_log, "snapshot", "bytes")
+        to compact, the pointer and the announcement. Returns the epoch of the delta chain: a new one
+        when the table does not follow from the current version (the first, or Redis lost it)."""
+        since, log_bytes, epoch = pipe.hmget(self.keys.table_log, "snapshot", "bytes", "epoch")
         bound = self._max_log_ratio * (pipe.strlen(self.keys.snapshot) or 0)
         text = encode_delta(delta) if delta is not None and since is not None else ""
         kept = 0 < len(text) <= bound
@@ -172,16 +174,18 @@ class RedisRoutingStore:
             pipe.zadd(self.keys.deltas, {text: table.version})
         if compact:
             pipe.set(self.keys.snapshot, encode_table(table))
-            if not text:  # no chain from the last version: the old deltas lead nowhere
+            if not text or epoch is None:  # no chain from the last version: the old deltas lead nowhere
                 pipe.delete(self.keys.deltas)
+                epoch = secrets.token_hex(8)
             else:  # keep the last period's deltas, for readers a little behind
                 pipe.zremrangebyscore(self.keys.deltas, "-inf", since)
-            pipe.hset(self.keys.table_log, mapping={"snapshot": table.version, "bytes": 0})
+            pipe.hset(self.keys.table_log, mapping={"snapshot": table.version, "bytes": 0, "epoch": epoch})
         else:
             pipe.hincrby(self.keys.table_log, "bytes", len(text))
         pipe.set(self.keys.current_version, table.version)
         pipe.publish(self.keys.versions_channel, table.version)
         pipe.execute()
+        return epoch
 
     @_unavailable_on_redis_error
     def current_version(self) -> int | None:
@@ -191,24 +195,26 @@ class RedisRoutingStore:
     @_unavailable_on_redis_error
     def read_table(self, version: int | None = None) -> RoutingTable | None:
         """The deltas after the last table read are applied to it (one MULTI); the snapshot is read
-        only at the start, after a gap (a compaction passed this reader by, a Redis restart) or for
-        a version older than the last one read."""
-        cached = self._cached
-        if cached is None or (version is not None and version < cached.version):
+        only at the start, after a gap (a compaction passed this reader by, Redis lost the table: a
+        new epoch) or for a version older than the last one read. Unchanged: the same object."""
+        held = self._held
+        if held is None or (version is not None and version < held[1].version):
             return self._read_whole(version)
-        if version == cached.version:
-            return cached
+        epoch, cached = held
         with self._client.pipeline(transaction=True) as pipe:
             pipe.get(self.keys.current_version)
+            pipe.hget(self.keys.table_log, "epoch")
             pipe.zrangebyscore(self.keys.deltas, f"({cached.version}", "+inf" if version is None else version)
-            current, texts = pipe.execute()
+            current, chain, texts = pipe.execute()
         if current is None:
             return None
+        if chain != epoch:
+            return self._read_whole(version)
         target = int(current) if version is None else version
         if target == cached.version:
             return cached
         try:
-            return self._remember(self._chain(cached, texts, target), int(current))
+            return self._remember(self._chain(cached, texts, target), int(current), epoch)
         except DeltaGapError as exc:
             log.debug("pool %s: %s; reading the snapshot", self.pool, exc)
         except RoutingTableError:
@@ -220,10 +226,10 @@ class RedisRoutingStore:
                                           self.keys.deltas], args=["" if version is None else version])
         if not reply:
             return None
-        current, snapshot, texts = reply
+        current, epoch, snapshot, texts = reply
         target = int(current) if version is None else version
         try:
-            return self._remember(self._chain(decode_table(snapshot), texts, target), int(current))
+            return self._remember(self._chain(decode_table(snapshot), texts, target), int(current), epoch)
         except DeltaGapError as exc:  # a version older than the snapshot, or one never published
             log.debug("pool %s: no version %s: %s", self.pool, version, exc)
         except RoutingTableError:
@@ -237,9 +243,9 @@ class RedisRoutingStore:
             raise DeltaGapError(f"the deltas reach version {table.version}, not {target}")
         return table
 
-    def _remember(self, table: RoutingTable, current: int) -> RoutingTable:
+    def _remember(self, table: RoutingTable, current: int, epoch: str) -> RoutingTable:
         if table.version == current:
-            self._cached = table
+            self._held = (epoch, table)
         return table
 
     @_unavailable_on_redis_error
@@ -377,7 +383,7 @@ class RedisRoutingStore:
                 batch.clear()
         if batch:
             self._client.unlink(*batch)
-        self._cached = None
+        self._held = None
 
     # demand
     @_unavailable_on_redis_error

@@ -126,8 +126,8 @@ class TableCache:
             # on the whole last snapshot until a table is published again.
             return replace(old, taken_at=now)
         table = old.table
-        if version is not None and version != old.version:  # the store applies the deltas since its last read
-            table = self.store.read_table() or old.table
+        if version is not None:  # one round trip: the store's table (the same object while unchanged),
+            table = self.store.read_table() or old.table  # with the deltas since its last read applied
         adapters = self._read_adapters(old, table, now)
         servers = {s.id: s for s in self.store.healthy_servers()}
         base = self.base_model or _base_model_of(servers.values()) or old.base_model

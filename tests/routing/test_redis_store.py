@@ -152,6 +152,21 @@ def test_after_a_redis_restart_readers_and_the_writer_start_over(redis_url, clie
         store.close()
 
 
+def test_a_version_number_reused_after_a_restart_is_a_new_chain(redis_url, client):
+    one, two, reader = (RedisRoutingStore.from_url(redis_url, "p1") for _ in range(3))
+    for version in (1, 2, 3):
+        one.publish_table(partial_table(version))
+    assert reader.read_table() == partial_table(3)
+    client.flushall()
+    other = RoutingTable(3, 3.0, {"x": make_entry("x", "sha256:x", 8, [("s1", 1.0)])})
+    two.publish_table(other)  # the same number, another table: a new epoch
+    assert reader.read_table() == other
+    one.publish_table(partial_table(4))  # one diffs against the table now at 3, not its own
+    assert reader.read_table() == partial_table(4) == RedisRoutingStore.from_url(redis_url, "p1").read_table()
+    for store in (one, two, reader):
+        store.close()
+
+
 def test_a_malformed_delta_is_not_served(redis_url, client):
     writer, reader = (RedisRoutingStore.from_url(redis_url, "p1") for _ in range(2))
     keys = PoolKeys("p1")
