@@ -30,6 +30,14 @@ def client(redis_url):
     c.close()
 
 
+def _writer(redis_url: str, last: int, **settings) -> RedisRoutingStore:
+    """A writer of pool p1 that has published partial_table(1) to partial_table(last)."""
+    writer = RedisRoutingStore.from_url(redis_url, "p1", **settings)
+    for version in range(1, last + 1):
+        writer.publish_table(partial_table(version))
+    return writer
+
+
 def _versions(client, keys) -> list[int]:
     return [int(score) for _, score in client.zrange(keys.deltas, 0, -1, withscores=True)]
 
@@ -52,10 +60,7 @@ def test_a_small_change_is_a_delta_that_readers_apply(redis_url, client):
 
 
 def test_the_writer_compacts_every_k_versions_and_keeps_one_period_of_deltas(redis_url, client):
-    writer = RedisRoutingStore.from_url(redis_url, "p1", snapshot_every=4)
-    keys = PoolKeys("p1")
-    for version in range(1, 11):
-        writer.publish_table(partial_table(version))
+    writer, keys = _writer(redis_url, 10, snapshot_every=4), PoolKeys("p1")
     assert client.hget(keys.table_log, "snapshot") == "9"  # snapshots at 1, 5 and 9
     assert _versions(client, keys) == [6, 7, 8, 9, 10]
     assert decode_table(client.get(keys.snapshot)) == partial_table(9)
@@ -67,10 +72,7 @@ def test_the_writer_compacts_every_k_versions_and_keeps_one_period_of_deltas(red
 
 
 def test_the_delta_log_is_bounded_by_bytes(redis_url, client):
-    writer = RedisRoutingStore.from_url(redis_url, "p1", max_log_ratio=0.25)
-    keys = PoolKeys("p1")
-    for version in range(1, 8):
-        writer.publish_table(partial_table(version))
+    writer, keys = _writer(redis_url, 7, max_log_ratio=0.25), PoolKeys("p1")
     snapshot_size = len(client.get(keys.snapshot))
     assert sum(len(d) for d in client.zrange(keys.deltas, 0, -1)) <= 3 * 0.25 * snapshot_size
     assert int(client.hget(keys.table_log, "snapshot")) > 1
