@@ -57,7 +57,11 @@ def _register_engine(registry: CommandRegistry) -> None:
 
 def _register_cluster(registry: CommandRegistry) -> None:
     """Traffic through a served endpoint, a local stack (`loraplex up`) or a real API server."""
-    from loraplex_bench import backends_compare, operator_scale  # stdlib at import; the rest loads in run
+    from loraplex_bench import (  # stdlib at import; the rest: in run
+        backends_compare,
+        operator_scale,
+        table_deltas,
+    )
 
     registry.add("bench serve", "replay a trace against an OpenAI-compatible endpoint (open loop)",
                  _serve_args, run_module("loraplex_bench.loadgen"))
@@ -67,6 +71,9 @@ def _register_cluster(registry: CommandRegistry) -> None:
               "stacks): TTFT, TBT and throughput side by side", backends_compare.configure, backends_compare.run)
     _add_long(registry, "bench router", "Measure the router's added latency and throughput against calling an "
               "agent directly", _router_args, run_module("loraplex_bench.router"))
+    _add_long(registry, "bench table-deltas", "a change of a 10,000-adapter routing table reaching routers and "
+              "agents through Redis: deltas over a snapshot vs whole versions (an older revision), in one run",
+              table_deltas.configure, table_deltas.run)
     _add_long(registry, "bench reliability", "What an agent stopped (SIGSTOP) or killed, or Redis restarted, costs "
               "under load through `loraplex up`: requests lost, added latency, throughput",
               _reliability_args, run_module("loraplex_bench.reliability"))

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> dict:
     first = free_port_block(3)
     ports = [first, first + 1, first + 2]
-    redis_url = _start_redis(workdir, ports[0], children)
+    redis_url = start_redis(workdir, ports[0], children)
     upstream_url, model = _start_upstream(args, workdir, ports[1], redis_url, children)
     store = RedisRoutingStore.from_url(redis_url, POOL)
     _publish(store, upstream_url, model, args)
@@ -82,7 +82,7 @@ def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> di
             **latency, **throughput}
 
 
-def _start_redis(workdir: Path, port: int, children: list[Child]) -> str:
+def start_redis(workdir: Path, port: int, children: list[Child]) -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         raise CommandError("the router benchmark needs redis-server (apt-get install redis-server)")

@@ -23,20 +23,28 @@ class PoolKeys:
         return f"loraplex:{{{self.pool}}}:"
 
     # routing table
-    def table(self, version: int) -> str:
-        """STRING: the JSON of one table version (encode_table); expires once superseded."""
-        return f"{self.prefix}table:{version}"
-
     @property
     def current_version(self) -> str:
-        """STRING: the decimal version of the current table; set in the same MULTI as the table."""
+        """STRING: the decimal version of the current table; set in the same MULTI as its delta."""
         return f"{self.prefix}table:current"
 
     @property
-    def previous_version(self) -> str:
-        """STRING: the version that was current before `current`; its table is deleted at the next
-        publish, so at most two whole tables exist at once."""
-        return f"{self.prefix}table:previous"
+    def snapshot(self) -> str:
+        """STRING: one whole table (encode_table), at the version `table_log` names; rewritten at
+        each compaction."""
+        return f"{self.prefix}table:snapshot"
+
+    @property
+    def deltas(self) -> str:
+        """ZSET: one member per version after the snapshot (encode_delta), scored by its version; the
+        deltas of the period before the snapshot stay until the next compaction."""
+        return f"{self.prefix}table:deltas"
+
+    @property
+    def table_log(self) -> str:
+        """HASH: `snapshot` (the snapshot's version), `bytes` (the deltas written since it) and
+        `epoch` (a random id of the delta chain, new whenever a table does not follow from the last)."""
+        return f"{self.prefix}table:log"
 
     @property
     def versions_channel(self) -> str:

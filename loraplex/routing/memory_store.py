@@ -5,7 +5,7 @@ simulator, unit tests and `loraplex up` when no redis-server is installed."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from loraplex.routing.demand import DEFAULT_WINDOW_S, DemandWindows, bucket_of, complete_buckets
@@ -105,10 +105,11 @@ class InMemoryRoutingStore:
             record = self._adapters.get(name)
             return replace(record, locations=frozenset(self._locations.get(name, ()))) if record else None
 
-    def adapters(self) -> list[AdapterRecord]:
+    def adapters(self, names: Collection[str] | None = None) -> list[AdapterRecord]:
         with self._lock:
-            return [replace(rec, locations=frozenset(self._locations.get(name, ())))
-                    for name, rec in sorted(self._adapters.items())]
+            wanted = sorted(self._adapters if names is None else set(names) & self._adapters.keys())
+            return [replace(self._adapters[name], locations=frozenset(self._locations.get(name, ())))
+                    for name in wanted]
 
     def add_location(self, adapter: str, server_id: str) -> None:
         validate_server_id(server_id)

@@ -5,7 +5,7 @@ simulator, tests and `loraplex up` without redis-server)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol
 
 from loraplex.routing.demand import DemandWindows
@@ -35,14 +35,16 @@ class RoutingStore(Protocol):
 
     # routing table
     def publish_table(self, table: RoutingTable) -> None:
-        """Validates the table, stores it whole under its version, then makes it current and announces
-        it, atomically for readers. Raises StaleVersionError if table.version <= the current version."""
+        """Validates the table, stores it (in Redis: as a delta over the version before, or as a new
+        snapshot), then makes it current and announces it, atomically for readers. Raises
+        StaleVersionError if table.version <= the current version, or another writer won a race."""
 
     def current_version(self) -> int | None:
         """The current version, or None before the first publish. Cheap: poll it."""
 
     def read_table(self, version: int | None = None) -> RoutingTable | None:
-        """The current table (or a given version while it is retained); None if there is none."""
+        """The current table (or a given version while the store can still rebuild it); None if there
+        is none. Readers that want the newest table call it without a version."""
 
     def watch_versions(self, callback: Callable[[int], None]) -> Subscription:
         """Calls `callback(version)` (from another thread) for each announced version until closed.
@@ -66,8 +68,9 @@ class RoutingStore(Protocol):
 
     def get_adapter(self, name: str) -> AdapterRecord | None: ...
 
-    def adapters(self) -> list[AdapterRecord]:
-        """All adapter records with their locations, sorted by name."""
+    def adapters(self, names: Collection[str] | None = None) -> list[AdapterRecord]:
+        """All adapter records with their locations, sorted by name; with `names`, only the records of
+        those of them that exist (one round trip, whatever the size of the registry)."""
 
     def add_location(self, adapter: str, server_id: str) -> None:
         """Records that `server_id` now holds `adapter` in host memory."""

@@ -121,13 +121,9 @@ def make_entry(adapter: str, digest: str, rank: int, weights: Iterable[tuple[str
 
 
 def encode_table(table: RoutingTable) -> str:
-    """The JSON stored under a version key. Compact: 10,000 adapters are about 1.5 MB."""
-    adapters = {name: {"digest": e.digest, "rank": e.rank, "routes": [[r.server, r.weight] for r in e.routes]}
-                for name, e in table.entries.items()}
-    doc = {"version": table.version, "created_at": table.created_at, "policy": table.policy,
-           "required_servers": table.required_servers, "meta": dict(table.meta), "adapters": adapters}
-    if table.routing is not None:  # absent, not null: routers older than the field read the table as before
-        doc["routing"] = {"profile": table.routing.profile, "options": dict(table.routing.options)}
+    """The JSON of a whole table (the snapshot). Compact: 10,000 adapters are about 1.5 MB."""
+    doc = encode_header(table)
+    doc["adapters"] = {name: encode_entry(e) for name, e in table.entries.items()}
     return json.dumps(doc, separators=(",", ":"), sort_keys=True)
 
 
@@ -135,16 +131,38 @@ def decode_table(text: str | bytes) -> RoutingTable:
     """Parses and validates a stored table; raises RoutingTableError on anything malformed."""
     try:
         doc = json.loads(text)
-        entries = {name: TableEntry(name, str(a["digest"]), int(a["rank"]),
-                                    tuple(Route(str(s), float(w)) for s, w in a["routes"]))
-                   for name, a in doc["adapters"].items()}
-        table = RoutingTable(int(doc["version"]), float(doc["created_at"]), entries, str(doc.get("policy", "")),
-                             int(doc.get("required_servers", 0)),
-                             {str(k): float(v) for k, v in doc.get("meta", {}).items()},
-                             _decode_routing(doc.get("routing")))
+        entries = {name: decode_entry(name, a) for name, a in doc["adapters"].items()}
+        table = decode_header(doc, entries)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RoutingTableError(f"malformed routing table: {exc}") from exc
     return table.validate()
+
+
+def encode_header(table: RoutingTable) -> dict:
+    """Everything of a table but its entries, as a JSON-ready dict (a whole table and a delta carry it)."""
+    doc = {"version": table.version, "created_at": table.created_at, "policy": table.policy,
+           "required_servers": table.required_servers, "meta": dict(table.meta)}
+    if table.routing is not None:  # absent, not null: routers older than the field read the table as before
+        doc["routing"] = {"profile": table.routing.profile, "options": dict(table.routing.options)}
+    return doc
+
+
+def decode_header(doc: dict, entries: Mapping[str, TableEntry]) -> RoutingTable:
+    """The table `doc`'s header describes, holding `entries` (not validated here); raises what a
+    malformed doc raises (KeyError, ValueError, TypeError, AttributeError)."""
+    return RoutingTable(int(doc["version"]), float(doc["created_at"]), entries, str(doc.get("policy", "")),
+                        int(doc.get("required_servers", 0)),
+                        {str(k): float(v) for k, v in doc.get("meta", {}).items()},
+                        _decode_routing(doc.get("routing")))
+
+
+def encode_entry(entry: TableEntry) -> dict:
+    return {"digest": entry.digest, "rank": entry.rank, "routes": [[r.server, r.weight] for r in entry.routes]}
+
+
+def decode_entry(name: str, doc: dict) -> TableEntry:
+    """The entry of adapter `name` (not validated here); raises what a malformed doc raises."""
+    return TableEntry(name, str(doc["digest"]), int(doc["rank"]), tuple(Route(str(s), float(w)) for s, w in doc["routes"]))
 
 
 def _decode_routing(doc: dict | None) -> RoutingChoice | None:

@@ -1,7 +1,9 @@
 """Keeps the router's snapshot of the pool fresh, in a background thread.
 
 The routing table is re-read when a new version is announced on pub/sub or seen by polling (a lost
-announcement only delays the swap by one poll). Live servers are re-read every poll, because
+announcement only delays the swap by one poll); the store applies the deltas since the last read, so
+a change of one adapter costs a read of one small delta, and the registry records of the adapters it
+added, dropped or re-versioned are read with it (the whole registry is re-read every `adapters_every_s`). Live servers are re-read every poll, because
 heartbeats expire silently; each read also notes when every server's heartbeat was first seen, so
 the proxy can tell a server whose heartbeat is late (`Snapshot.heartbeat_late`). A server the proxy
 found silent (late heartbeat, requests unanswered) is dropped from the server registry at once
@@ -16,9 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
+from loraplex.routing.records import AdapterRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex.routing.table import RoutingTable
 from loraplex_router.demand import DemandCounter
@@ -26,6 +29,7 @@ from loraplex_router.metrics import RouterMetrics
 from loraplex_router.snapshot import BATCH_MAX_AGE_S, Snapshot, track_heartbeats
 
 log = logging.getLogger("loraplex.router")
+CHANGED_AT_ONCE = 64  # a table re-versioning up to this many adapters (or a quarter) reads only their records
 
 
 class TableCache:
@@ -122,17 +126,27 @@ class TableCache:
             # on the whole last snapshot until a table is published again.
             return replace(old, taken_at=now)
         table = old.table
-        if version is not None and version != old.version:
-            table = self.store.read_table(version) or old.table
-        adapters = old.adapters
-        if table is not old.table or now - self._adapters_read_at >= self.adapters_every_s:
-            adapters = {a.name: a for a in self.store.adapters()}
-            self._adapters_read_at = now
+        if version is not None:  # one round trip: the store's table (the same object while unchanged),
+            table = self.store.read_table() or old.table  # with the deltas since its last read applied
+        adapters = self._read_adapters(old, table, now)
         servers = {s.id: s for s in self.store.healthy_servers()}
         base = self.base_model or _base_model_of(servers.values()) or old.base_model
         return Snapshot(table, servers, adapters, base, taken_at=now, batch_max_age_s=self.batch_max_age_s,
                         heartbeats=track_heartbeats(old.heartbeats, servers, now), servers_read_at=now,
                         poll_interval_s=self.poll_interval_s)
+
+    def _read_adapters(self, old: Snapshot, table: RoutingTable | None, now: float) -> Mapping[str, AdapterRecord]:
+        """The whole registry every `adapters_every_s`; in between, on a new table, the records of the
+        adapters it added, dropped or re-versioned (one small read, none for a re-placement)."""
+        changed = _changed_adapters(old.table, table)
+        if changed is None or now - self._adapters_read_at >= self.adapters_every_s:
+            self._adapters_read_at = now
+            return {a.name: a for a in self.store.adapters()}
+        if not changed:
+            return old.adapters
+        adapters = {name: a for name, a in old.adapters.items() if name not in changed}
+        adapters.update((a.name, a) for a in self.store.adapters(changed))
+        return adapters
 
     def _ensure_subscription(self) -> None:
         if self._subscription is None:
@@ -159,6 +173,22 @@ class TableCache:
         except StoreUnavailableError as exc:
             self.metrics.store_errors.inc()
             log.debug("demand flush failed, keeping the counts: %s", exc)
+
+
+def _changed_adapters(old: RoutingTable | None, new: RoutingTable | None) -> set[str] | None:
+    """The adapters added, dropped or re-versioned (digest or rank) between two tables: those whose
+    registry records may have changed (a re-placement only moves routes). None when there is no old
+    table to compare with, or when so many changed that reading the whole registry is as cheap."""
+    if old is new:
+        return set()
+    if old is None or new is None:
+        return None
+    # a table built from the last one by a delta shares its unchanged entries: `is` decides most
+    changed = {name for name, entry in new.entries.items()
+               if (was := old.entries.get(name)) is not entry
+               and (was is None or (was.digest, was.rank) != (entry.digest, entry.rank))}
+    changed.update(name for name in old.entries if name not in new.entries)
+    return changed if len(changed) <= max(CHANGED_AT_ONCE, len(new.entries) // 4) else None
 
 
 def _base_model_of(servers) -> str | None:

@@ -45,7 +45,7 @@ def store_under_test(request: pytest.FixtureRequest) -> Iterator[StoreUnderTest]
     from loraplex.routing.redis_store import RedisRoutingStore
 
     url = request.getfixturevalue("redis_url")
-    store = RedisRoutingStore.from_url(url, "pool", retain_s=5)
+    store = RedisRoutingStore.from_url(url, "pool", snapshot_every=4)
     yield StoreUnderTest(store, "redis", _poll, url)
     store.close()
 

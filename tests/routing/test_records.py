@@ -42,7 +42,7 @@ def test_adapter_record_rules():
 
 def test_keys_share_a_hash_tag():
     keys = PoolKeys("llama")
-    assert keys.table(3) == "loraplex:{llama}:table:3"
+    assert keys.snapshot == "loraplex:{llama}:table:snapshot"
     assert keys.current_version.startswith("loraplex:{llama}:")
     assert keys.demand(7) == "loraplex:{llama}:demand:7"
     with pytest.raises(ValueError, match="pool name"):

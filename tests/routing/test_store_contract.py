@@ -4,6 +4,7 @@ import threading
 
 import pytest
 import redis
+from routing_tables import partial_table
 
 from loraplex.routing import (
     AdapterRecord,
@@ -30,11 +31,13 @@ def _adapter(name: str, rank: int = 8) -> AdapterRecord:
 def test_publish_read_and_versions(store_under_test):
     store = store_under_test.store
     assert store.current_version() is None and store.read_table() is None
-    store.publish_table(_table(1))
-    store.publish_table(_table(2))
+    store.publish_table(_table(1, adapters=10))
+    second = RoutingTable(2, 2.0, {**_table(1, adapters=10).entries, "a0": _table(2, adapters=1).entries["a0"]})
+    store.publish_table(second)
     assert store.current_version() == 2
-    assert store.read_table() == _table(2)
-    assert store.read_table(1) == _table(1)  # retained for a while after being superseded
+    assert store.read_table() == second
+    assert store.read_table(1) == _table(1, adapters=10)  # a superseded version stays readable a while
+    assert store.read_table(3) is None
     for stale in (2, 1):
         with pytest.raises(StaleVersionError):
             store.publish_table(_table(stale))
@@ -46,6 +49,10 @@ def test_invalid_table_is_never_published(store_under_test):
     with pytest.raises(RoutingTableError):
         store.publish_table(RoutingTable(1, 0.0, {"a": half}))
     assert store.current_version() is None
+    store.publish_table(_table(1))
+    with pytest.raises(RoutingTableError):  # a change that breaks the table (in Redis: an invalid delta)
+        store.publish_table(RoutingTable(2, 0.0, {**_table(1).entries, "a": half}))
+    assert store.current_version() == 1 and store.read_table() == _table(1)
 
 
 def test_announcements_reach_watchers(store_under_test, poll):
@@ -85,6 +92,9 @@ def test_adapter_registry_and_locations(store_under_test):
     store.put_adapter(_adapter("a", 32))  # replacing the record keeps its locations
     assert [(r.name, r.rank, r.locations) for r in store.adapters()] == [
         ("a", 32, frozenset({"s1", "s2"})), ("b", 16, frozenset())]
+    assert store.adapters(["b", "a", "missing", "a"]) == store.adapters()  # only these: one read
+    assert [(r.name, r.locations) for r in store.adapters(["a"])] == [("a", frozenset({"s1", "s2"}))]
+    assert store.adapters([]) == []
     assert store.remove_location("a", "s1") is True
     assert store.remove_location("a", "s2") is False  # the last copy stays
     assert store.get_adapter("a").locations == frozenset({"s2"})
@@ -105,8 +115,12 @@ def test_demand_windows_sum_complete_windows(store_under_test):
     assert windows.rates["b"] == pytest.approx((5 / width, 0.0, 0.0))
 
 
-def test_concurrent_readers_never_see_a_partial_table(store_under_test):
+@pytest.mark.parametrize("change", ["every-entry", "a-tenth"])
+def test_concurrent_readers_never_see_a_partial_table(store_under_test, change):
+    """Versions that change every entry (in Redis: snapshots) or a tenth of them (deltas)."""
     store, errors, seen = store_under_test.store, [], set()
+    make = _table if change == "every-entry" else partial_table
+    tables = {v: make(v, 2000) for v in range(1, 21)}
     stop = threading.Event()
 
     def read() -> None:
@@ -115,8 +129,7 @@ def test_concurrent_readers_never_see_a_partial_table(store_under_test):
             if table is None:
                 continue
             seen.add(table.version)
-            # every entry of version v carries digest sha256:v and there are 2000 of them
-            if len(table.entries) != 2000 or {e.digest for e in table.entries.values()} != {f"sha256:{table.version}"}:
+            if table != tables[table.version]:
                 errors.append(table.version)
 
     readers = [threading.Thread(target=read) for _ in range(2)]
@@ -124,7 +137,7 @@ def test_concurrent_readers_never_see_a_partial_table(store_under_test):
         r.start()
     try:
         for version in range(1, 21):
-            store.publish_table(_table(version, adapters=2000))
+            store.publish_table(tables[version])
     finally:
         stop.set()
         for r in readers:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
+from loraplex.routing.table import RoutingTable
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
 from loraplex_agent.cluster.engine_view import busy_adapters, engine_report
 from loraplex_agent.cluster.fetcher import AdapterFetcher
@@ -48,6 +49,7 @@ class ClusterMember:
         self.serving_url = serving_url
         self.max_adapters = max_adapters
         self.version: int | None = None
+        self._table: RoutingTable | None = None  # the table `_assigned` was read from
         self._registered = False
         self._assigned: set[str] = set()
         self._unassigned_once: set[str] = set()
@@ -129,13 +131,14 @@ class ClusterMember:
 
     async def reconcile(self) -> None:
         """Bring host memory in line with the current table: prefetch assigned, drop unassigned."""
-        version = await asyncio.to_thread(self.store.current_version)
-        if version is not None and version != self.version:
-            table = await asyncio.to_thread(self.store.read_table, version)
-            if table is not None:
-                self._assigned = set(table.assignments(self.settings.server_id))
-                self.version = version
-        records = {r.name: r for r in await asyncio.to_thread(self.store.adapters)}
+        # The store's table: the same object while unchanged, else the deltas since its last read applied.
+        table = await asyncio.to_thread(self.store.read_table)
+        if table is not None and table is not self._table:
+            self._assigned = set(table.assignments(self.settings.server_id))
+            self._table, self.version = table, table.version
+        # only the records of what this server is assigned or holds: not the whole registry every pass
+        wanted = self._assigned | self._managed.keys()
+        records = {r.name: r for r in await asyncio.to_thread(self.store.adapters, wanted)}
         await self._prefetch([records[n] for n in sorted(self._assigned) if n in records])
         await self._evict(records)
         await self._assert_locations(records)
