@@ -7,7 +7,10 @@ Each adapter of the workload is a LoRADeployment (a tiny adapter of its rank) wi
 --agents, so every adapter is on every server. Turns are real chats: the system prompt and user
 messages are words of the tokenizer's vocabulary (one token each), every later turn re-sends the
 whole conversation with the answers the model actually gave (EOS ignored, so each answer has its
-workload length). Each profile's run tags its text with the profile's name, so no run finds KV
+workload length). The tiny model's weights are random, so left free it writes byte-level fragments
+whose text does not tokenize back to the ids it sampled, and a later turn would miss the cache from
+the first such fragment on, which a real model's natural-language answers do not do; a logit_bias
+(+100 on at most 300 whole-word tokens) keeps its answers to whole words, which round-trip exactly. Each profile's run tags its text with the profile's name, so no run finds KV
 that an earlier run left in the agents. TTFT is measured at the client (first content chunk);
 the agents' prefix hit rate is the change of their `vllm:prefix_cache_hits` / `_queries`
 counters over the run, the router's prediction that of `loraplex_router_prefix_blocks`.
@@ -24,6 +27,7 @@ import sys
 import tempfile
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -36,6 +40,8 @@ from loraplex.sim.sessions import SessionWorkload, make_sessions
 from loraplex.spec.errors import CommandError
 from loraplex_bench.output import stage
 from loraplex_bench.prefix_routing import Row, Side, routing_options, workload_spec
+
+REPLY_WORDS = 300  # whole-word tokens an answer is biased to (OpenAI's cap on logit_bias entries)
 
 POOL = "prefix"
 TIMEOUT_S = 600.0
@@ -78,8 +84,14 @@ def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) 
     return side
 
 
-def vocabulary(tokenizer: Path) -> list[str]:
-    """Words that are one token each in the model's BPE vocabulary (' word'), sorted."""
+@dataclass(frozen=True)
+class Vocabulary:
+    words: list[str]  # words that are one token each (' word'), sorted
+    reply_bias: dict[str, float]  # logit_bias keeping an answer to REPLY_WORDS of them
+
+
+def vocabulary(tokenizer: Path) -> Vocabulary:
+    """The whole words of the model's BPE vocabulary, and a logit_bias that keeps answers to words."""
     try:
         vocab = json.loads(tokenizer.read_text())["model"]["vocab"]
     except (OSError, ValueError, KeyError) as exc:
@@ -87,7 +99,8 @@ def vocabulary(tokenizer: Path) -> list[str]:
     words = sorted(k[1:] for k in vocab if k.startswith("Ġ") and k[1:].isascii() and k[1:].isalpha() and len(k) > 3)
     if len(words) < 100:
         raise CommandError(f"{tokenizer}: too few whole words in the vocabulary")
-    return words
+    step = max(1, len(words) // REPLY_WORDS)
+    return Vocabulary(words, {str(vocab["Ġ" + w]): 100.0 for w in words[::step][:REPLY_WORDS]})
 
 
 def write_manifests(folder: Path, model: Path, workload: SessionWorkload, args: argparse.Namespace) -> Path:
@@ -155,7 +168,7 @@ def _ok(url: str) -> bool:
 
 # ---- one run --------------------------------------------------------------------------------
 
-def measure(kind: str, routing: str, url: str, agents: list[str], workload: SessionWorkload, words: list[str]) -> Row:
+def measure(kind: str, routing: str, url: str, agents: list[str], workload: SessionWorkload, words: Vocabulary) -> Row:
     before = [_counters(a + "/metrics", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries") for a in agents]
     router_before = _counters(url + "/metrics", 'loraplex_router_prefix_blocks_total{kind="matched"}',
                               'loraplex_router_prefix_blocks_total{kind="requested"}')
@@ -186,7 +199,7 @@ def _counters(url: str, *names: str) -> list[float]:
     return values
 
 
-async def _drive(url: str, workload: SessionWorkload, words: list[str], tag: str
+async def _drive(url: str, workload: SessionWorkload, words: Vocabulary, tag: str
                  ) -> list[tuple[int, int, float | None, int]]:
     """(session, turn, TTFT or None on an error, output tokens) of every turn played."""
     results: list[tuple[int, int, float | None, int]] = []
@@ -198,21 +211,21 @@ async def _drive(url: str, workload: SessionWorkload, words: list[str], tag: str
 
 
 async def _session(api: openai.AsyncOpenAI, workload: SessionWorkload, index: int, origin: float,
-                   words: list[str], tag: str, results: list) -> None:
+                   words: Vocabulary, tag: str, results: list) -> None:
     session = workload.sessions[index]
     await asyncio.sleep(max(0.0, origin + session.arrival_s - time.monotonic()))
-    system = _text(words, ("system", workload.adapter_index(session.adapter)), workload.spec.system_prompt_tokens)
+    system = _text(words.words, ("system", workload.adapter_index(session.adapter)), workload.spec.system_prompt_tokens)
     messages = [{"role": "system", "content": f"{tag} {system}"}]
     for k, turn in enumerate(session.turns):
         if k:
             await asyncio.sleep(turn.think_s)
-        messages.append({"role": "user", "content": f"{index} " + _text(words, (index, k), turn.user_tokens)})
+        messages.append({"role": "user", "content": f"{index} " + _text(words.words, (index, k), turn.user_tokens)})
         sent = time.monotonic()
         first, parts, count = None, [], 0
         try:
             stream = await api.chat.completions.create(
                 model=session.adapter, messages=messages, max_tokens=turn.output_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, logit_bias=words.reply_bias)
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.monotonic()
