@@ -97,6 +97,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     e.add_argument("--engine-system-prompt", type=int, default=48, help="words of each adapter's system prompt")
     e.add_argument("--engine-length-scale", type=float, default=0.25)
     e.add_argument("--engine-max-len", type=int, default=1200, help="words a conversation may grow to")
+    e.add_argument("--engine-repeats", type=int, default=1,
+                   help="rounds of every profile, in ABBA order, pooled per profile")
     e.add_argument("--model", default=None, help="base model folder (default: the tiny model)")
 
 
@@ -266,8 +268,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown or BASELINE not in routings:
         raise CommandError(f"unknown routing profiles or workloads {unknown}, or no {BASELINE} to compare with; "
                            f"profiles: {', '.join(PROFILES)}; workloads: {', '.join(WORKLOADS)}")
-    if args.servers < 1 or args.replicas < 1 or args.agents < 1:
-        raise CommandError("--servers, --replicas and --agents must be at least 1")
+    if min(args.servers, args.replicas, args.agents, args.engine_repeats) < 1:
+        raise CommandError("--servers, --replicas, --agents and --engine-repeats must be at least 1")
     sides = []
     if args.side in ("twin", "both"):
         sides.append(run_twin(args, routings, kinds))

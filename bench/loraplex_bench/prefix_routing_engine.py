@@ -10,10 +10,14 @@ whole conversation with the answers the model actually gave (EOS ignored, so eac
 workload length). The tiny model's weights are random, so left free it writes byte-level fragments
 whose text does not tokenize back to the ids it sampled, and a later turn would miss the cache from
 the first such fragment on, which a real model's natural-language answers do not do; a logit_bias
-(+100 on at most 300 whole-word tokens) keeps its answers to whole words, which round-trip exactly. Each profile's run tags its text with the profile's name, so no run finds KV
-that an earlier run left in the agents. TTFT is measured at the client (first content chunk);
-the agents' prefix hit rate is the change of their `vllm:prefix_cache_hits` / `_queries`
-counters over the run, the router's prediction that of `loraplex_router_prefix_blocks`.
+(+100 on at most 300 whole-word tokens) keeps its answers to whole words, which round-trip exactly.
+
+Each run tags its text with its profile's name and round, so no run finds KV that an earlier run
+left in the agents. With --engine-repeats N the profiles run N rounds, in ABBA order (the second
+round reversed, and so on), and each row pools its profile's rounds: a machine whose load drifts
+during the measurement then weighs on every profile alike. TTFT is measured at the client (first
+content chunk); the agents' prefix hit rate is the change of their `vllm:prefix_cache_hits` /
+`_queries` counters over the runs, the router's prediction that of `loraplex_router_prefix_blocks`.
 """
 
 from __future__ import annotations
@@ -74,9 +78,13 @@ def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) 
                 for url in routers.values():
                     _warm_up(url, adapters, stage)
                 for kind in kinds:
-                    for routing, url in routers.items():
-                        stage(f"engine, {kind}, {routing}")
-                        side.rows.append(measure(kind, routing, url, agents, workloads[kind], words))
+                    samples: dict[str, list[Sample]] = {r: [] for r in routers}
+                    for round_ in range(args.engine_repeats):
+                        for routing in routers if round_ % 2 == 0 else reversed(routers):
+                            stage(f"engine, {kind}, {routing}, round {round_ + 1} of {args.engine_repeats}")
+                            samples[routing].append(run_once(routers[routing], agents, workloads[kind], words,
+                                                             f"{kind} {routing} {round_}"))
+                    side.rows += [pooled(kind, routing, runs) for routing, runs in samples.items()]
             finally:
                 for child in extra:
                     child.terminate()
@@ -168,26 +176,46 @@ def _ok(url: str) -> bool:
 
 # ---- one run --------------------------------------------------------------------------------
 
-def measure(kind: str, routing: str, url: str, agents: list[str], workload: SessionWorkload, words: Vocabulary) -> Row:
-    before = [_counters(a + "/metrics", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries") for a in agents]
-    router_before = _counters(url + "/metrics", 'loraplex_router_prefix_blocks_total{kind="matched"}',
-                              'loraplex_router_prefix_blocks_total{kind="requested"}')
+@dataclass
+class Sample:
+    """One run of a workload through one router: its turns and the counters' changes over it."""
+
+    turns: list[tuple[int, int, float | None, int]]  # (session, turn, TTFT or None on an error, output tokens)
+    elapsed_s: float
+    hits: float  # the agents' prefix-cache hits and queries (tokens)
+    queries: float
+    matched: float  # the router's matched and requested prefix blocks
+    requested: float
+
+
+def run_once(url: str, agents: list[str], workload: SessionWorkload, words: Vocabulary, tag: str) -> Sample:
+    before = _engine_counters(url, agents)
     started = time.monotonic()
-    turns = asyncio.run(_drive(url, workload, words, f"{kind} {routing}"))
+    turns = asyncio.run(_drive(url, workload, words, tag))
     elapsed = time.monotonic() - started
-    after = [_counters(a + "/metrics", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries") for a in agents]
-    router_after = _counters(url + "/metrics", 'loraplex_router_prefix_blocks_total{kind="matched"}',
-                             'loraplex_router_prefix_blocks_total{kind="requested"}')
-    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    requested = router_after[1] - router_before[1]
-    ok = [t for t in turns if t[2] is not None]
+    change = [a - b for a, b in zip(_engine_counters(url, agents), before, strict=True)]
+    return Sample(turns, elapsed, *change)
+
+
+def pooled(kind: str, routing: str, runs: list[Sample]) -> Row:
+    """A profile's row over all its rounds: every turn's TTFT, the tokens over the summed run time."""
+    ok = [t for r in runs for t in r.turns if t[2] is not None]
     ttfts = [t[2] for t in ok]
     later = [t[2] for t in ok if t[1] > 0]
+    hits, queries, matched, requested = (sum(getattr(r, f) for r in runs)
+                                         for f in ("hits", "queries", "matched", "requested"))
     return Row(kind, routing, len(ok), float(np.mean(ttfts)), float(np.mean(later)) if later else float("nan"),
-               float(np.percentile(ttfts, 99)), sum(t[3] for t in ok) / elapsed,
-               hits / queries if queries else None,
-               (router_after[0] - router_before[0]) / requested if requested else None, len(turns) - len(ok))
+               float(np.percentile(ttfts, 99)), sum(t[3] for t in ok) / sum(r.elapsed_s for r in runs),
+               hits / queries if queries else None, matched / requested if requested else None,
+               sum(len(r.turns) for r in runs) - len(ok))
+
+
+def _engine_counters(router: str, agents: list[str]) -> list[float]:
+    """The agents' summed prefix hits and queries, the router's matched and requested blocks."""
+    agent = [_counters(a + "/metrics", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries") for a in agents]
+    return [sum(a[0] for a in agent), sum(a[1] for a in agent),
+            *_counters(router + "/metrics", 'loraplex_router_prefix_blocks_total{kind="matched"}',
+                       'loraplex_router_prefix_blocks_total{kind="requested"}')]
 
 
 def _counters(url: str, *names: str) -> list[float]:
@@ -201,7 +229,7 @@ def _counters(url: str, *names: str) -> list[float]:
 
 async def _drive(url: str, workload: SessionWorkload, words: Vocabulary, tag: str
                  ) -> list[tuple[int, int, float | None, int]]:
-    """(session, turn, TTFT or None on an error, output tokens) of every turn played."""
+    """`Sample.turns` of every turn played."""
     results: list[tuple[int, int, float | None, int]] = []
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0) as api:
         origin = time.monotonic()

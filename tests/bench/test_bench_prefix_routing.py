@@ -30,6 +30,7 @@ def test_twin_side_prints_a_table_and_writes_json(tmp_path, capsys) -> None:
     (["--workloads", "chat,other"], "unknown routing profiles or workloads ['other']"),
     (["--routing-option", "load_slack=x"], "not a number"),
     (["--servers", "0"], "--servers"),
+    (["--engine-repeats", "0"], "--engine-repeats"),
     (["--routing-option", "slo=1"], "unknown prefix options ['slo']"),
 ])
 def test_bad_input_is_one_line(flags, message, capsys) -> None:
