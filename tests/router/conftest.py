@@ -57,11 +57,12 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
 
 
 def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: int = 0,
-             profile: str = "loraserve") -> RouterEnv:
+             profile: str = "loraserve", block_size: int = 0) -> RouterEnv:
     store = InMemoryRoutingStore("test", MonotonicClock(), window_s=1.0)
     echoes = {f"s{i}": ThreadedServer(EchoServer(f"s{i}"), free_port()).start() for i in range(num_echoes)}
     for sid, server in echoes.items():
-        store.register_server(ServerRecord(sid, server.url, max_rank=64, base_model=BASE), ttl_s=600)
+        store.register_server(ServerRecord(sid, server.url, max_rank=64, base_model=BASE, block_size=block_size),
+                              ttl_s=600)
     for name in ("a", "b", "c"):
         store.put_adapter(AdapterRecord(name, DIGEST, 8, 1000, f"file:///adapters/{name}"))
     settings = RouterSettings(profile=make_profile(profile, rng=random.Random(seed)), profile_name=profile,

@@ -37,6 +37,17 @@ def test_later_turns_follow_the_first(make_router_env) -> None:
     assert 0 < matched < requested
 
 
+def test_a_match_shorter_than_the_servers_kv_block_draws_no_request(make_router_env) -> None:
+    prompt = "a tag shared by every request: " * 3  # 93 characters: one 64-character chunk (16 tokens)
+    for block_size, spread in ((64, True), (16, False)):
+        env = make_router_env(profile="prefix-aware", block_size=block_size)
+        client = OpenAI(base_url=env.router.url + "/v1", api_key="none")
+        servers = {client.completions.with_raw_response.create(model="b", prompt=prompt, max_tokens=1)
+                   .headers["x-loraplex-server"] for _ in range(24)}
+        assert (len(servers) > 1) == spread, (block_size, servers)  # 64-token blocks: φ spreads them
+        assert (counter(httpx.get(env.router.url + "/metrics").text, "matched") == 0) == spread
+
+
 def test_loraserve_keeps_no_index(router_env) -> None:
     client = OpenAI(base_url=router_env.router.url + "/v1", api_key="none")
     converse(client, "b", 0, 2)
