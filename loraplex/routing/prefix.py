@@ -9,6 +9,8 @@ SGLang's cache-aware router), pure and torch-free so the router and the twin run
 - the router cuts what it has without a tokenizer: the chat messages or the prompt text in chunks
   of `chunk_chars` characters (about one KV block of tokens), token-id prompts in blocks of
   `chunk_chars // 4` ids; the twin cuts token ids in the engine's own blocks;
+- a server's match counts only when it covers at least one of the KV blocks its agent reports
+  (`cached_match`): on an engine with 32-token blocks a one-chunk match is worth nothing;
 - after each pick the router records the request's keys for the chosen server (it will compute
   and cache them); a server's keys are an LRU of `blocks_per_server` entries (the agents' prefix
   caches evict least recently used leaves first: keys are recorded deepest first, so a prefix's
@@ -110,8 +112,21 @@ def body_keys(seed: str, body: Mapping, chunk_chars: int) -> list[int]:
     if isinstance(prompt, str):
         return text_keys(seed, prompt, chunk_chars)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return token_keys(seed, prompt, max(1, round(chunk_chars * TOKENS_PER_CHAR)))
+        return token_keys(seed, prompt, chunk_tokens(chunk_chars))
     return []
+
+
+def chunk_tokens(chunk_chars: int) -> int:
+    """The tokens the router takes a chunk of `chunk_chars` characters to hold (it has no tokenizer);
+    also the block of a token-id prompt."""
+    return max(1, round(chunk_chars * TOKENS_PER_CHAR))
+
+
+def cached_match(chunks: int, chunk_chars: int, block_size: int) -> int:
+    """A server's match as it counts: its `chunks` matched chunks when they cover at least one of its
+    KV blocks of `block_size` tokens (0: unknown, any match counts), else 0. An engine caches whole
+    blocks only: a shorter match saves no prefill, yet would draw the request there."""
+    return chunks if chunks * chunk_tokens(chunk_chars) >= block_size else 0
 
 
 # ---- the index ------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ class ServerRecord:
     backend: str = "loraplex"            # the engine behind `url`: loraplex, or vllm (an unmodified vLLM server)
     agent_url: str = ""                  # the agent's own URL when it is not `url` (backend vllm): peers fetch here
     max_adapters: int = 0                # adapters the server can hold at once (vLLM's max_cpu_loras); 0: no limit
+    block_size: int = 0                  # tokens per KV block of its engine; 0: unknown
 
     @property
     def peer_url(self) -> str:
@@ -141,6 +142,8 @@ class ServerRecord:
             raise RecordError(f"server {self.id!r}: agent_url must be http(s)://, got {self.agent_url!r}")
         if self.max_adapters < 0:
             raise RecordError(f"server {self.id!r}: max_adapters must be >= 0, got {self.max_adapters}")
+        if self.block_size < 0:
+            raise RecordError(f"server {self.id!r}: block_size must be >= 0, got {self.block_size}")
         if self.batch is not None:
             self.batch.validate()
         return self

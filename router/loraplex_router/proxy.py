@@ -39,7 +39,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
 from loraplex.routing.pipeline import NoCandidateError, Profile, prefix_config
-from loraplex.routing.prefix import PrefixIndex, adapter_seed, body_keys
+from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import UpstreamError
@@ -183,7 +183,8 @@ class Proxy:
         index = self._prefix_index() if prefix else None
         now = time.monotonic()
         matches = index.matches(snapshot.servers, prefix, now) if index is not None else {}
-        candidates = snapshot.candidates(adapter, tried | ejected, self.in_flight, matches)
+        chunk_chars = index.config.chunk_chars if index is not None else PrefixConfig.chunk_chars
+        candidates = snapshot.candidates(adapter, tried | ejected, self.in_flight, matches, chunk_chars)
         try:
             server = self.profile.pick(snapshot.route_request(adapter, prefix_blocks=len(prefix)),
                                        candidates).server_id
@@ -192,7 +193,8 @@ class Proxy:
                                   code="no_healthy_server") from exc
         self.metrics.picks.labels(server).inc()
         if index is not None:
-            self._record_prefix(index, snapshot, server, prefix, matches.get(server, 0), now)
+            matched = next(c.prefix_blocks for c in candidates if c.server_id == server)  # as it counts
+            self._record_prefix(index, snapshot, server, prefix, matched, now)
         return server
 
     def _record_prefix(self, index: PrefixIndex, snapshot: Snapshot, server: str, prefix: list[int], matched: int,

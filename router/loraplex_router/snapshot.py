@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest
+from loraplex.routing.prefix import PrefixConfig, cached_match
 from loraplex.routing.records import AdapterRecord, ServerBatch, ServerRecord
 from loraplex.routing.table import RoutingTable
 
@@ -92,17 +93,19 @@ class Snapshot:
         return RouteRequest(adapter, rank, prompt_tokens, prefix_blocks)
 
     def candidates(self, adapter: str | None, down: set[str], in_flight: Mapping[str, int],
-                   prefix_matches: Mapping[str, int] | None = None) -> list[Candidate]:
+                   prefix_matches: Mapping[str, int] | None = None,
+                   chunk_chars: int = PrefixConfig.chunk_chars) -> list[Candidate]:
         """Every registered server as the policy sees it. `down` are servers this router just failed
         to reach; `in_flight` is this router's own count of open requests per server, fresher than
-        the load in the last heartbeat; `prefix_matches` the prefix blocks of the request each server
-        holds, as far as the router's prefix index knows."""
+        the load in the last heartbeat; `prefix_matches` the prefix chunks (of `chunk_chars`) of the
+        request each server holds, as far as the router's prefix index knows: a match counts only
+        when it covers one of the server's KV blocks (`loraplex.routing.prefix.cached_match`)."""
         phis = {r.server: r.weight for r in self.table.routes(adapter)} if self.table and adapter else {}
         matches = prefix_matches or {}
         return [Candidate(server_id=s.id, healthy=s.id not in down, phi=phis.get(s.id, 0.0),
                           residency=_residency(s, adapter), max_rank=s.max_rank,
                           queue_depth=max(in_flight.get(s.id, 0), s.load.running + s.load.waiting),
-                          batch=self._batch(s, in_flight.get(s.id, 0)), prefix_blocks=matches.get(s.id, 0))
+                          batch=self._batch(s, in_flight.get(s.id, 0)), prefix_blocks=cached_match(matches.get(s.id, 0), chunk_chars, s.block_size))
                 for s in self.servers.values()]
 
     def late_after_s(self, server_id: str) -> float | None:

@@ -42,6 +42,9 @@ vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.0125
 # TYPE vllm:lora_requests_info gauge
 vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7955329713e+09
 vllm:lora_requests_info{max_lora="2",running_lora_adapters="a0,a3",waiting_lora_adapters="a5"} 1.7955329714e+09
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="2048"} 1.0
 """
 
 
@@ -84,6 +87,7 @@ def test_heartbeat_reads_queue_depth_and_residency_from_vllm_metrics():
     assert stats.running_adapters == ("a0", "a3") and stats.waiting_adapters == ("a5",)  # the latest label set
     assert stats.max_loras == 2 and stats.loaded_adapters is None  # 0.32.0 has no vllm:lora_adapter_loaded
     assert stats.busy_adapters == {"a0", "a3", "a5"}
+    assert stats.block_size == 32 and parse_metrics("").block_size == 0  # 0: unknown, any prefix match counts
     loaded = parse_metrics(VLLM_METRICS + '# TYPE vllm:lora_adapter_loaded gauge\n'
                            'vllm:lora_adapter_loaded{lora_name="a7"} 1.0\n'
                            'vllm:lora_adapter_loaded{lora_name="a8"} 0.0\n')

@@ -63,6 +63,7 @@ async def test_prefetches_its_assignment_and_reports_it(member):
     assert member.store.get_adapter(a).locations == {ME}
     record = member.record()
     assert record.host_adapters == tuple(sorted((a, b))) and record.max_rank == 64 and record.base_model == "tiny"
+    assert record.block_size == member.engine.core.config.block_size > 0  # for prefix-aware routing
 
 
 async def test_drops_unassigned_adapters_but_never_the_last_copy(member):

@@ -18,6 +18,7 @@ from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.outliers import OutlierConfig
 from loraplex.routing.pipeline import make_profile
 from loraplex.routing.records import AdapterRecord, ServerRecord
+from loraplex.routing.store import RoutingStore
 from loraplex.routing.table import RoutingTable, make_entry
 from loraplex.util.clock import MonotonicClock
 
@@ -27,7 +28,7 @@ DIGEST = "sha256:" + "0" * 64
 
 @dataclass
 class RouterEnv:
-    store: InMemoryRoutingStore
+    store: RoutingStore
     router: ThreadedServer
     echoes: dict[str, ThreadedServer]
     app: object
@@ -57,11 +58,13 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
 
 
 def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: int = 0,
-             profile: str = "loraserve") -> RouterEnv:
-    store = InMemoryRoutingStore("test", MonotonicClock(), window_s=1.0)
+             profile: str = "loraserve", block_size: int = 0, store: RoutingStore | None = None) -> RouterEnv:
+    """`block_size`: the KV block size the servers report; `store`: the in-process one unless given."""
+    store = store or InMemoryRoutingStore("test", MonotonicClock(), window_s=1.0)
     echoes = {f"s{i}": ThreadedServer(EchoServer(f"s{i}"), free_port()).start() for i in range(num_echoes)}
     for sid, server in echoes.items():
-        store.register_server(ServerRecord(sid, server.url, max_rank=64, base_model=BASE), ttl_s=600)
+        store.register_server(ServerRecord(sid, server.url, max_rank=64, base_model=BASE, block_size=block_size),
+                              ttl_s=600)
     for name in ("a", "b", "c"):
         store.put_adapter(AdapterRecord(name, DIGEST, 8, 1000, f"file:///adapters/{name}"))
     settings = RouterSettings(profile=make_profile(profile, rng=random.Random(seed)), profile_name=profile,

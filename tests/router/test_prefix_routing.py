@@ -8,6 +8,8 @@ import re
 import httpx
 from openai import OpenAI
 
+from loraplex.routing.redis_store import RedisRoutingStore
+
 
 def converse(client: OpenAI, adapter: str, index: int, turns: int) -> list[str]:
     """The servers that answered each turn of one conversation."""
@@ -35,6 +37,18 @@ def test_later_turns_follow_the_first(make_router_env) -> None:
     metrics = httpx.get(env.router.url + "/metrics").text
     requested, matched = counter(metrics, "requested"), counter(metrics, "matched")
     assert 0 < matched < requested
+
+
+def test_a_match_shorter_than_the_servers_kv_block_draws_no_request(make_router_env, redis_url) -> None:
+    prompt = "a tag shared by every request: " * 3  # 93 characters: one 64-character chunk (16 tokens)
+    for block_size, spread in ((64, True), (16, False)):  # the block size each server's record reports
+        store = RedisRoutingStore.from_url(redis_url, f"pool-{block_size}")
+        env = make_router_env(profile="prefix-aware", block_size=block_size, store=store)
+        client = OpenAI(base_url=env.router.url + "/v1", api_key="none")
+        servers = {client.completions.with_raw_response.create(model="b", prompt=prompt, max_tokens=1)
+                   .headers["x-loraplex-server"] for _ in range(24)}
+        assert (len(servers) > 1) == spread, (block_size, servers)  # 64-token blocks: φ spreads them
+        assert (counter(httpx.get(env.router.url + "/metrics").text, "matched") == 0) == spread
 
 
 def test_loraserve_keeps_no_index(router_env) -> None:

