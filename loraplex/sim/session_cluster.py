@@ -31,7 +31,7 @@ from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_p
 from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, token_keys
 from loraplex.routing.table import RoutingTable
 from loraplex.sim.gc_pause import cyclic_gc_paused
-from loraplex.sim.metrics import trace_duration
+from loraplex.sim.metrics import RequestResult, result_of, trace_duration
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.replay import register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine
@@ -78,6 +78,7 @@ class SessionClusterRun:
     prefix_hit_rate: float  # what the engines saw: cached prompt tokens over prompt tokens looked up
     predicted_hit_rate: float | None  # what the router predicted, in blocks (None: it keeps no index)
     table: RoutingTable
+    results: list[RequestResult]  # the turns as the twin's request results, in arrival order (SLO, starvation)
 
 
 class _Server:
@@ -165,6 +166,7 @@ class _SessionCluster:
         self.last: dict[int, Request] = {}
         self.live: dict[str, tuple[_Server, int, int, float, int, int]] = {}
         self.results: list[TurnResult] = []
+        self.requests: list[RequestResult] = []
 
     def run(self) -> SessionClusterRun:
         while True:
@@ -227,10 +229,10 @@ class _SessionCluster:
     def _finished(self, request_id: str, now: float) -> None:
         server, index, turn, at, predicted, blocks = self.live.pop(request_id)
         request = self.last[index]
-        first = request.first_token_time
-        self.results.append(TurnResult(index, turn, self.workload.sessions[index].adapter, server.id, at,
-                                       None if first is None else first - at, now, len(request.output_token_ids),
-                                       predicted, blocks))
+        first, adapter = request.first_token_time, self.workload.sessions[index].adapter
+        self.results.append(TurnResult(index, turn, adapter, server.id, at, None if first is None else first - at,
+                                       now, len(request.output_token_ids), predicted, blocks))
+        self.requests.append(result_of(request, 0.0, adapter, server.id))
         turns = self.workload.sessions[index].turns
         if turn + 1 < len(turns):
             heapq.heappush(self.due, (now + turns[turn + 1].think_s, index, turn + 1))
@@ -243,7 +245,7 @@ class _SessionCluster:
         end = max((r.finished_s or 0.0) for r in self.results) if self.results else 0.0
         return SessionClusterRun(sorted(self.results, key=lambda r: r.arrival_s), end,
                                  sum(m.prefix_hit_tokens for m in stats) / queried if queried else 0.0,
-                                 predicted, self.table)
+                                 predicted, self.table, sorted(self.requests, key=lambda r: r.arrival_s))
 
 
 @dataclass(frozen=True)
