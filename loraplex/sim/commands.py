@@ -212,6 +212,10 @@ def plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.sessions:
+        from loraplex.sim.planner.session_cli import run_session_plan
+
+        return run_session_plan(args, read_mapping(args.sessions, "--sessions"))
     from loraplex.sim.planner.cli import run
 
     return run(args)

@@ -42,10 +42,6 @@ def make_oracle(args: argparse.Namespace, profile: Profile, summary: WorkloadSum
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.sessions:
-        from loraplex.sim.planner.session_cli import run_session_plan
-
-        return run_session_plan(args)
     try:
         trace, profile = read_trace(args.trace), load_profile(args.profile)
     except (OSError, ValueError) as exc:

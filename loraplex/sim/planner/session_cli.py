@@ -11,7 +11,6 @@ from pathlib import Path
 from loraplex.latency.profile import Profile, load_profile
 from loraplex.placement import POLICY_NAMES
 from loraplex.routing.pipeline import PROFILES
-from loraplex.sim.commands import read_mapping
 from loraplex.sim.console import emit, progress, show_session_plan
 from loraplex.sim.metrics import Slo
 from loraplex.sim.planner.cli import slot_settings
@@ -21,11 +20,10 @@ from loraplex.sim.sessions import SessionSpec, make_sessions
 from loraplex.spec.errors import CommandError
 
 
-def read_session_spec(path: str, profile: Profile) -> SessionSpec:
-    """The file's session workload fields; `max_model_len` defaults to the profile's."""
+def read_session_spec(doc: dict, path: str, profile: Profile) -> SessionSpec:
+    """The session workload fields read from `path`; `max_model_len` defaults to the profile's."""
     from pydantic import TypeAdapter, ValidationError
 
-    doc = read_mapping(path, "--sessions")
     unknown = sorted(set(doc) - {f.name for f in fields(SessionSpec)})
     if unknown:
         raise CommandError(f"--sessions {path}: unknown field(s) {', '.join(map(str, unknown))}; known: "
@@ -50,14 +48,15 @@ def _check(args: argparse.Namespace, routings: list[str]) -> None:
         raise CommandError("--compare is for --trace: with --sessions, compare routings with --routing a,b")
 
 
-def run_session_plan(args: argparse.Namespace) -> int:
+def run_session_plan(args: argparse.Namespace, fields_read: dict) -> int:
+    """`fields_read`: the --sessions file's mapping."""
     routings = [r for r in args.routing.split(",") if r]
     _check(args, routings)
     try:
         profile = load_profile(args.profile)
     except (OSError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    spec = read_session_spec(args.sessions, profile)
+    spec = read_session_spec(fields_read, args.sessions, profile)
     workload = make_sessions(spec)
     if not workload.sessions:
         raise CommandError(f"--sessions {args.sessions}: no session arrives within duration_s")
