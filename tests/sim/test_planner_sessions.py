@@ -70,6 +70,7 @@ def test_plan_command_sizes_a_session_workload(tmp_path, capsys) -> None:
     ("rate: fast\n", [], "rate: Input should be a valid number"),
     ("rate: 0\n", [], "invalid session workload setting(s): rate"),
     ("- 1\n", [], "expected a mapping"),
+    ("max_model_len: 8192\n", [], "max_model_len 8192 is above profile whatif-h100-llama8b's 4096"),
     ("rate: 4\n", ["--routing", "loraserve,nearest"], "--routing: unknown profile(s) nearest"),
     ("rate: 4\n", ["--placement", "best"], "--placement: unknown policy best"),
     ("rate: 4\n", ["--compare"], "--compare is for --trace"),

@@ -24,9 +24,9 @@ def read_session_spec(doc: dict, path: str, profile: Profile) -> SessionSpec:
     """The session workload fields read from `path`; `max_model_len` defaults to the profile's."""
     from pydantic import TypeAdapter, ValidationError
 
-    unknown = sorted(set(doc) - {f.name for f in fields(SessionSpec)})
+    unknown = sorted(str(key) for key in set(doc) - {f.name for f in fields(SessionSpec)})
     if unknown:
-        raise CommandError(f"--sessions {path}: unknown field(s) {', '.join(map(str, unknown))}; known: "
+        raise CommandError(f"--sessions {path}: unknown field(s) {', '.join(unknown)}; known: "
                            f"{', '.join(f.name for f in fields(SessionSpec))}")
     try:
         return TypeAdapter(SessionSpec).validate_python({"max_model_len": int(profile.engine["max_model_len"])} | doc)
@@ -57,6 +57,9 @@ def run_session_plan(args: argparse.Namespace, fields_read: dict) -> int:
     except (OSError, ValueError) as exc:
         raise CommandError(str(exc)) from None
     spec = read_session_spec(fields_read, args.sessions, profile)
+    if spec.max_model_len > int(profile.engine["max_model_len"]):
+        raise CommandError(f"--sessions {args.sessions}: max_model_len {spec.max_model_len} is above profile "
+                           f"{profile.name}'s {profile.engine['max_model_len']}")
     workload = make_sessions(spec)
     if not workload.sessions:
         raise CommandError(f"--sessions {args.sessions}: no session arrives within duration_s")
