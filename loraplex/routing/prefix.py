@@ -83,6 +83,11 @@ def adapter_seed(adapter: str | None, digest: str = "") -> str:
     return f"{adapter}@{digest}" if adapter is not None else "(base)"
 
 
+def chunk_tokens(chunk_chars: int) -> int:
+    """Tokens one chunk stands for: a token-id prompt's block, a text chunk's estimate."""
+    return max(1, round(chunk_chars * TOKENS_PER_CHAR))
+
+
 def token_keys(seed: str, tokens: Sequence[int], block: int) -> list[int]:
     """Keys of the full `block`-token blocks of a token-id prompt."""
     full = min(len(tokens) // block, MAX_CHUNKS)
@@ -110,7 +115,7 @@ def body_keys(seed: str, body: Mapping, chunk_chars: int) -> list[int]:
     if isinstance(prompt, str):
         return text_keys(seed, prompt, chunk_chars)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return token_keys(seed, prompt, max(1, round(chunk_chars * TOKENS_PER_CHAR)))
+        return token_keys(seed, prompt, chunk_tokens(chunk_chars))
     return []
 
 
