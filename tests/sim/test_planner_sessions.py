@@ -30,10 +30,12 @@ def test_prefix_aware_routing_needs_fewer_servers_on_long_conversations() -> Non
     # routing nearly always, so its servers spend less on prefill and keep up with one server fewer.
     workload = make_sessions(SessionSpec(num_adapters=6, ranks=(8, 16), num_sessions=240, rate=48.0, mean_turns=8,
                                          think_mean_s=0.5, length_scale=0.5, max_model_len=2048, seed=1))
-    start, plans = plan_sessions(workload, PROFILE, ["loraserve", "prefix-aware"], Slo(2.0), 0.9, [8],
+    plans = plan_sessions(workload, PROFILE, ["loraserve", "prefix-aware"], Slo(2.0), 0.9, [8],
                                  placement="min-cost-flow", limit=8, points=POINTS)
     base, ours = plans
-    assert start == 8
+    # the placement's estimate (the searches start at it, capped by the limit of 8) counts every history
+    # token as work under loraserve, and leaves out what the index predicts cached under prefix-aware
+    assert ours.placement_estimate < base.placement_estimate
     assert ours.servers < base.servers
     assert ours.prefix_hit_rate > base.prefix_hit_rate + 0.2
     for plan in plans:  # each count passes, and one server fewer was tried and failed
@@ -61,7 +63,7 @@ def test_plan_command_sizes_a_session_workload(tmp_path, capsys) -> None:
     assert doc["max_loras"] == 8 and doc["num_sessions"] == 40
     for routing in ("loraserve", "prefix-aware"):
         plan = doc["routings"][routing]
-        assert 1 <= plan["servers"] <= doc["placement_estimate"] and plan["slo_attainment"] >= 0.95
+        assert 1 <= plan["servers"] <= plan["placement_estimate"] and plan["slo_attainment"] >= 0.95
         assert {(t["servers"], t["passed"]) for t in plan["trials"]} >= {(plan["servers"], True)}
 
 

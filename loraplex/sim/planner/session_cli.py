@@ -71,14 +71,14 @@ def run_session_plan(args: argparse.Namespace, fields_read: dict) -> int:
     slo = Slo(args.slo_ttft)
     with progress("sim plan --sessions") as say:
         try:
-            start, plans = plan_sessions(workload, profile, routings, slo, args.slo_target, choices, args.placement,
+            plans = plan_sessions(workload, profile, routings, slo, args.slo_target, choices, args.placement,
                                          args.replicas, limit=args.max_servers, say=say)
         except RuntimeError as exc:  # a routing that no count up to --max-servers serves
             raise CommandError(str(exc)) from None
     doc = {"sessions": asdict(spec), "num_sessions": len(workload.sessions), "turns": workload.num_turns,
            "profile": profile.name, "placement": args.placement, "replicas": args.replicas,
            "max_loras": "searched" if searched else slots, "slo_ttft_s": args.slo_ttft,
-           "slo_target": args.slo_target, "placement_estimate": start,
+           "slo_target": args.slo_target,
            "routings": {p.routing: {k: v for k, v in asdict(p).items() if k != "routing"} for p in plans}}
     emit(doc, args.json, show_session_plan)
     if args.out:

@@ -54,8 +54,9 @@ class SessionSearch(ServerSearch):
 
     def halve(self, slots: int, start: int) -> int:
         """`start` halved while the half passes: where the walk of `fewest` begins. The placement's
-        estimate counts every re-sent history token as work, and the prefix cache makes most of
-        them free, so it can be several times the answer; halving gets near it in a few runs."""
+        estimate counts the re-sent history tokens as work (all of them under a profile without a
+        prefix index), and the prefix cache makes many of them free, so it can be several times the
+        answer; halving gets near it in a few runs."""
         while start > 1 and not self.verdict(start // 2, slots).starved:
             start //= 2
         return start
@@ -80,15 +81,17 @@ class SessionPlan:
     prefix_hit_rate: float  # what the engines saw at that count
     ttft_later_mean_s: float  # turns after the first
     ttft_p99_s: float
+    placement_estimate: int  # the placement's required_servers for the demand this routing's router counts
     trials: list[Trial]  # every run of the search
 
 
 def plan_sessions(workload: SessionWorkload, profile: Profile, routings: list[str], slo: Slo, target: float,
                   slots: list[int], placement: str = "loraserve", replicas: int = 3, seed: int = 0,
                   limit: int = MAX_SERVERS, points: OperatingPoints | None = None,
-                  say: Callable[[str], None] = lambda _: None) -> tuple[int, list[SessionPlan]]:
-    """The placement's own estimate of the servers needed (every search starts there), and each
-    routing's fewest servers over the slot counts in `slots` (one entry: fixed slots). Operating
+                  say: Callable[[str], None] = lambda _: None) -> list[SessionPlan]:
+    """Each routing's fewest servers over the slot counts in `slots` (one entry: fixed slots), its
+    search started at the placement's own estimate for the demand that routing's router counts (under a
+    prefix profile, without the prompt tokens its index predicts cached: `session_demand`). Operating
     points: measured on the twin for the workload unless given. Raises RuntimeError when a routing
     still fails with `limit` servers."""
     max_rank = max(workload.adapters.values())
@@ -96,14 +99,15 @@ def plan_sessions(workload: SessionWorkload, profile: Profile, routings: list[st
         say(f"{len(workload.sessions)} sessions, {workload.num_turns} turns: operating points")
         points = operating_points(profile, sorted(set(workload.adapters.values())), session_trace(workload),
                                   profile.engine_config(max_loras=slots[0], max_lora_rank=max_rank))
-    estimate = SessionClusterConfig(1, placement=placement, replicas=replicas, seed=seed, operating_points=points)
-    start = min(limit, place_sessions(workload, profile, estimate, max_rank).required_servers)
     out = []
     for routing in routings:
+        estimate = SessionClusterConfig(1, routing, replicas, placement, seed, operating_points=points)
+        estimated = place_sessions(workload, profile, estimate, max_rank).required_servers
+        start = min(limit, estimated)
         say(f"routing {routing}: the fewest servers from {start}")
         search = SessionSearch(workload, profile, routing, slo, target, placement, replicas, seed, points)
         verdict, chosen = search.best_slots(slots, search.halve(slots[0], start), limit)
         run = search.runs[(verdict.gpus, chosen)]
         out.append(SessionPlan(routing, verdict.gpus, chosen, verdict.slo_attainment, run.prefix_hit_rate,
-                               run.ttft_later_mean_s, run.ttft_p99_s, search.trials))
-    return start, out
+                               run.ttft_later_mean_s, run.ttft_p99_s, estimated, search.trials))
+    return out
