@@ -27,7 +27,8 @@ OUTPUT = 4
 
 
 class Stack:
-    def __init__(self, redis_url: str, free_port, profile: str) -> None:
+    def __init__(self, redis_url: str, free_port, wait, profile: str) -> None:
+        self.wait = wait
         self.store = RedisRoutingStore.from_url(redis_url, f"demand-{profile}", window_s=1.0)
         self.echo = ThreadedServer(EchoServer("s0"), free_port()).start()
         self.store.register_server(ServerRecord("s0", self.echo.url, max_rank=64, base_model="base"), ttl_s=600)
@@ -36,7 +37,7 @@ class Stack:
                                   keys=KeyRing(), poll_interval_s=0.05)
         self.router = ThreadedServer(create_app(self.store, settings), free_port()).start()
         self.store.publish_table(RoutingTable(1, time.time(), {"a": make_entry("a", DIGEST, 8, [("s0", 1.0)])}))
-        _wait(lambda: httpx.get(self.router.url + "/health").json()["routing_version"] == 1)
+        wait(lambda: httpx.get(self.router.url + "/health").json()["routing_version"] == 1)
 
     def chat(self, messages: list[dict]) -> int:
         """Sends one turn; its prompt tokens as the server counted them."""
@@ -60,16 +61,9 @@ class Stack:
         self.store.close()
 
 
-def _wait(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture
-def stack(redis_url: str, free_port, request) -> Iterator[Stack]:
-    stack = Stack(redis_url, free_port, request.param)
+def stack(redis_url: str, free_port, wait, request) -> Iterator[Stack]:
+    stack = Stack(redis_url, free_port, wait, request.param)
     yield stack
     stack.stop()
 
@@ -89,10 +83,10 @@ def test_a_later_turn_counts_only_what_the_index_did_not_predict_cached(stack: S
     cached = stack.matched_blocks() * chunk_tokens(PrefixConfig().chunk_chars)
     assert 0 < cached < second  # the first turn's prompt, as the index saw it, and not capped
     expected = first + OUTPUT + second - cached + OUTPUT
-    _wait(lambda: stack.demand() == pytest.approx(expected))
+    stack.wait(lambda: stack.demand() == pytest.approx(expected))
 
 
 @pytest.mark.parametrize("stack", ["loraserve"], indirect=True)
 def test_other_profiles_count_every_prompt_token(stack: Stack) -> None:
     first, second = two_turns(stack)
-    _wait(lambda: stack.demand() == pytest.approx(first + second + 2 * OUTPUT))
+    stack.wait(lambda: stack.demand() == pytest.approx(first + second + 2 * OUTPUT))
