@@ -1,5 +1,6 @@
-"""Demand counters in fixed time windows. The router adds tokens (prompt + output) per adapter to the
-bucket of the current window; placement reads the last complete windows as tokens/s."""
+"""Demand counters in fixed time windows. The router adds tokens per adapter (`demand_tokens`: prompt +
+output, less what a prefix-aware profile predicts cached) to the bucket of the current window;
+placement reads the last complete windows as tokens/s."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ from dataclasses import dataclass, field
 
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_WINDOWS = 6  # one minute of history, the paper's time-step scale
+
+
+def demand_tokens(prompt_tokens: int, output_tokens: int, cached_blocks: int = 0, block_tokens: int = 0) -> int:
+    """The work one request adds to its adapter's demand: its output and the prompt tokens not predicted
+    cached on the server that took it. `cached_blocks`: the prefix blocks a prefix-aware profile's index
+    matched there (0 for other profiles), of `block_tokens` tokens each; the prediction is capped by the
+    prompt. A prefill served from the prefix cache costs the server (almost) nothing, so counting it
+    would size the pool for a re-sent chat history as if it were recomputed every turn."""
+    cached = min(prompt_tokens, max(0, cached_blocks) * max(0, block_tokens))
+    return max(0, prompt_tokens - cached) + max(0, output_tokens)
 
 
 def bucket_of(now: float, window_s: float) -> int:

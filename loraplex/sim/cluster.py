@@ -40,6 +40,7 @@ from loraplex.sim.metrics import (
     Summary,
     offered_tokens,
     result_of,
+    starved_servers,
     summarize,
     trace_duration,
 )
@@ -260,15 +261,10 @@ def _collect(cluster: _Cluster, trace: Trace, duration: float, slo: Slo | None) 
     results.sort(key=lambda r: r.arrival_s)
     end = max(s.clock.now() for s in cluster.servers)
     summary = summarize(results, duration, end, slo, offered_tokens(trace))
-    by_server: dict[str, list[RequestResult]] = {}
-    for r in results:
-        by_server.setdefault(r.server, []).append(r)
-    per_server = [summarize(by_server[s.id], duration, s.clock.now()).starved
-                  for s in cluster.servers if s.id in by_server]
     info = {"servers": len(cluster.servers), "placement": cluster.config.placement,
             "placements": cluster.placements, "required_servers": cluster.required_servers,
             "adapter_moves": cluster.adapter_moves, "placement_s": cluster.placement_s,
-            "starved_servers": sum(per_server),
+            "starved_servers": starved_servers(results, duration),
             "requests_per_server": [len(s.requests) for s in cluster.servers],
             "operating_points": {str(r): round(t, 1) for r, t in cluster.points.tokens_per_second.items()}}
     return ClusterRun(results, summary, info)

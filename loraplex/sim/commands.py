@@ -11,21 +11,27 @@ from loraplex.spec.errors import CommandError
 from loraplex.util.args import existing_dir, existing_file
 
 
+def read_mapping(path: str, flag: str) -> dict:
+    """A YAML or JSON file of fields; CommandError (one line naming `flag`) when it is not a mapping."""
+    import yaml
+
+    from loraplex.spec.errors import one_line
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise CommandError(f"{flag} {path}: {one_line(exc)}") from None
+    if not isinstance(doc, dict):
+        raise CommandError(f"{flag} {path}: expected a mapping of workload fields")
+    return doc
+
+
 def _load_spec(args: argparse.Namespace):
     from loraplex.sim.workload import WorkloadSpec
 
     doc: dict = {}
     if args.spec:
-        import yaml
-
-        from loraplex.spec.errors import one_line
-
-        try:
-            doc = yaml.safe_load(Path(args.spec).read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise CommandError(f"--spec {args.spec}: {one_line(exc)}") from None
-        if not isinstance(doc, dict):
-            raise CommandError(f"--spec {args.spec}: expected a mapping of workload fields")
+        doc = read_mapping(args.spec, "--spec")
         doc = doc.get("workload", doc)
     for key, value in (("seed", args.seed), ("duration_s", args.duration), ("rps", args.rps)):
         if value is not None:
@@ -167,7 +173,11 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
 
 
 def plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", type=existing_file, required=True, help="trace file (JSONL): the workload to plan for")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", type=existing_file, help="trace file (JSONL): the workload to plan for")
+    source.add_argument("--sessions", type=existing_file,
+                        help="or multi-turn chat sessions (YAML/JSON of session workload fields, docs/simulator.md): "
+                             "the fewest servers each --routing needs, found in the session cluster twin")
     p.add_argument("--profile", default="cpu-tiny", help="profile file or shipped profile name")
     add_engine_settings(p, "max_loras", max_loras={"default": None,
                         "help": "adapter slots per server for every policy; the planner's A_max may be lower. Default: "
@@ -175,9 +185,10 @@ def plan_args(p: argparse.ArgumentParser) -> None:
                         "profile's max_loras"})
     p.add_argument("--compare", action="store_true",
                    help="also find the servers replicate-all and random need at the same SLO (slow)")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (--compare, --slo-aware)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO in seconds (--compare, --slo-aware, --sessions)")
     p.add_argument("--slo-target", type=float, default=0.95,
-                   help="--compare: baselines must reach min(this, the plan's SLO attainment)")
+                   help="--compare: baselines must reach min(this, the plan's SLO attainment); --sessions: "
+                        "each routing must reach it")
     p.add_argument("--slo-aware", action=argparse.BooleanOptionalAction, default=True,
                    help="the planner also closes a GPU before its SLO attainment (--slo-ttft) falls below "
                         "--slo-target, not only before it starves (default; --no-slo-aware: the paper's "
@@ -190,11 +201,21 @@ def plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--surrogate-samples", type=int, default=200,
                    help="--oracle forest|tree: twin runs to train on")
     p.add_argument("--assignment", action="store_true", help="print the adapter -> GPU map with --compare too")
+    s = p.add_argument_group("--sessions (the oracle, surrogate and --compare flags are for --trace)")
+    s.add_argument("--routing", default="loraserve",
+                   help="router profiles to size the pool for, comma-separated (e.g. loraserve,prefix-aware)")
+    s.add_argument("--placement", default="loraserve", help="placement policy")
+    s.add_argument("--replicas", type=int, default=3, help="servers each adapter is placed on, at least")
+    s.add_argument("--max-servers", type=int, default=64, help="give up on a routing that fails with this many")
     p.add_argument("--out", default=None, help="also write the JSON result here")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    if args.sessions:
+        from loraplex.sim.planner.session_cli import run_session_plan
+
+        return run_session_plan(args, read_mapping(args.sessions, "--sessions"))
     from loraplex.sim.planner.cli import run
 
     return run(args)

@@ -69,6 +69,18 @@ def show_plan(doc: dict[str, Any]) -> None:
     _print(_pairs("sim plan", rows), footer=footer)
 
 
+def show_session_plan(doc: dict[str, Any]) -> None:
+    rows = [(f"routing {name}", f"[bold]{p['servers']}[/bold] servers (A_max {p['slots']}): SLO attainment "
+             f"{p['slo_attainment']:.1%}, prefix hits {p['prefix_hit_rate']:.0%}, P99 TTFT {p['ttft_p99_s'] * 1e3:.0f} ms; "
+             f"searched from {p['placement_estimate']} (the placement's estimate)")
+            for name, p in doc["routings"].items()]
+    rows += [("workload", f"{doc['num_sessions']} sessions, {doc['turns']} turns; placement {doc['placement']}, "
+                          f">= {doc['replicas']} servers per adapter"),
+             ("SLO", f"TTFT <= {doc['slo_ttft_s']:g} s for {doc['slo_target']:.0%} of turns, no server starving"),
+             ("slots", f"{doc['max_loras']}")]
+    _print(_pairs("sim plan --sessions", rows), footer="every twin run of each search: --json (or --out FILE)")
+
+
 def show_stats(stats: dict[str, Any]) -> None:
     rows = [("requests", f"{stats['requests']} over {stats['duration_s']:.0f} s ({stats['rps']:.2f} req/s, "
                          f"inter-arrival CV {stats['interarrival_cv']:.2f})"),

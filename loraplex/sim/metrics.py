@@ -134,3 +134,11 @@ def summarize(results: Iterable[RequestResult], duration_s: float, elapsed_s: fl
         ttft_s=percentiles([r.ttft_s for r in done]), tpot_s=percentiles([r.tpot_s for r in done if r.tpot_s]),
         e2e_s=percentiles([r.e2e_s for r in done]))
 
+
+
+def starved_servers(results: Iterable[RequestResult], duration_s: float) -> int:
+    """Servers that starve on their own requests (each judged against what it was offered)."""
+    by_server: dict[str | None, list[RequestResult]] = {}
+    for r in results:
+        by_server.setdefault(r.server, []).append(r)
+    return sum(summarize(mine, duration_s, duration_s).starved for mine in by_server.values())

@@ -27,11 +27,12 @@ from loraplex.engine.core import EngineCore
 from loraplex.engine.request import Request
 from loraplex.latency.profile import Profile
 from loraplex.placement import OperatingPoints, PlacementAdapter, PlacementInput, PlacementServer, make_policy
+from loraplex.routing.demand import demand_tokens
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile, prefix_config
 from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, token_keys
 from loraplex.routing.table import RoutingTable
 from loraplex.sim.gc_pause import cyclic_gc_paused
-from loraplex.sim.metrics import trace_duration
+from loraplex.sim.metrics import RequestResult, result_of, trace_duration
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.replay import register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine
@@ -78,6 +79,7 @@ class SessionClusterRun:
     prefix_hit_rate: float  # what the engines saw: cached prompt tokens over prompt tokens looked up
     predicted_hit_rate: float | None  # what the router predicted, in blocks (None: it keeps no index)
     table: RoutingTable
+    results: list[RequestResult]  # the turns as the twin's request results, in arrival order (SLO, starvation)
 
 
 class _Server:
@@ -113,16 +115,34 @@ def session_trace(workload: SessionWorkload) -> Trace:
     return Trace(requests, {"duration_s": max((r.arrival_s for r in requests), default=1.0) or 1.0})
 
 
+def session_demand(workload: SessionWorkload, block: int, duration: float) -> dict[str, float]:
+    """Each adapter's mean demand in tokens/s as the router counts it (`routing.demand.demand_tokens`).
+    `block`: the tokens of a prefix block when the routing keeps a prefix index, else 0. Its prediction
+    for a later turn is the previous turn's prompt in full blocks (what the index recorded for the
+    server that took it, where the prefix filter sends the conversation back); a first turn is
+    predicted nothing (its system prompt may be held where it lands: the count errs high)."""
+    demand: dict[str, float] = {}
+    for s in workload.sessions:
+        context, held = workload.spec.system_prompt_tokens, 0
+        for turn in s.turns:
+            context += turn.user_tokens
+            tokens = demand_tokens(context, turn.output_tokens, held // block if block else 0, block)
+            demand[s.adapter] = demand.get(s.adapter, 0.0) + tokens / duration
+            held = context
+            context += turn.output_tokens
+    return demand
+
+
 def place_sessions(workload: SessionWorkload, profile: Profile, config: SessionClusterConfig,
                    max_rank: int) -> RoutingTable:
-    """The placement policy's table for the workload's mean demand, each adapter on `replicas` servers."""
+    """The placement policy's table for the workload's mean demand (`session_demand`: as the router counts
+    it under `config.routing`), each adapter on `replicas` servers."""
     trace = session_trace(workload)
-    duration = trace_duration(trace)
-    demand: dict[str, float] = {}
-    for r in trace.requests:
-        demand[r.adapter] = demand.get(r.adapter, 0.0) + (r.prompt_len + r.output_len) / duration
+    engine = profile.engine_config(**config.engine_overrides)
+    prefixes = prefix_config(make_profile(config.routing, random.Random(0), prefix=config.prefix)) is not None
+    demand = session_demand(workload, engine.block_size if prefixes else 0, trace_duration(trace))
     points = config.operating_points or operating_points(profile, sorted(set(workload.adapters.values())), trace,
-                                                         profile.engine_config(**config.engine_overrides))
+                                                         engine)
     adapters = [PlacementAdapter(name, sim_adapter_id(name).digest, rank, demand.get(name, 0.0),
                                  min_replicas=min(config.replicas, config.servers))
                 for name, rank in sorted(workload.adapters.items())]
@@ -165,6 +185,7 @@ class _SessionCluster:
         self.last: dict[int, Request] = {}
         self.live: dict[str, tuple[_Server, int, int, float, int, int]] = {}
         self.results: list[TurnResult] = []
+        self.requests: list[RequestResult] = []
 
     def run(self) -> SessionClusterRun:
         while True:
@@ -227,10 +248,10 @@ class _SessionCluster:
     def _finished(self, request_id: str, now: float) -> None:
         server, index, turn, at, predicted, blocks = self.live.pop(request_id)
         request = self.last[index]
-        first = request.first_token_time
-        self.results.append(TurnResult(index, turn, self.workload.sessions[index].adapter, server.id, at,
-                                       None if first is None else first - at, now, len(request.output_token_ids),
-                                       predicted, blocks))
+        first, adapter = request.first_token_time, self.workload.sessions[index].adapter
+        self.results.append(TurnResult(index, turn, adapter, server.id, at, None if first is None else first - at,
+                                       now, len(request.output_token_ids), predicted, blocks))
+        self.requests.append(result_of(request, 0.0, adapter, server.id))
         turns = self.workload.sessions[index].turns
         if turn + 1 < len(turns):
             heapq.heappush(self.due, (now + turns[turn + 1].think_s, index, turn + 1))
@@ -243,7 +264,7 @@ class _SessionCluster:
         end = max((r.finished_s or 0.0) for r in self.results) if self.results else 0.0
         return SessionClusterRun(sorted(self.results, key=lambda r: r.arrival_s), end,
                                  sum(m.prefix_hit_tokens for m in stats) / queried if queried else 0.0,
-                                 predicted, self.table)
+                                 predicted, self.table, sorted(self.requests, key=lambda r: r.arrival_s))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ through, the answer is committed to that server. An attempt fails before its fir
 
 With a prefix-aware profile the proxy keeps the router's prefix index (`loraplex.routing.prefix`):
 each pick reads how many leading prefix blocks of the request every candidate holds, and records
-the request's blocks for the server it chose.
+the request's blocks for the server it chose. The blocks matched on the server that answers are
+taken out of the request's demand (`loraplex.routing.demand.demand_tokens`): that prefill is cached.
 
 Deadline misses and failed connections feed the outlier detector (`loraplex.routing.outliers`);
 no request picks an ejected server until its ejection ends. A server ejected for silence is also
@@ -37,9 +38,10 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from loraplex.routing.demand import demand_tokens
 from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
 from loraplex.routing.pipeline import NoCandidateError, Profile, prefix_config
-from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys
+from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys, chunk_tokens
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import UpstreamError
@@ -103,6 +105,8 @@ class Forward:
     client_wants_usage: bool  # the client itself asked for stream usage
     arrived_at: float
     prefix: list[int] = field(default_factory=list)  # the prompt's prefix keys (prefix-aware profiles)
+    cached_blocks: int = 0    # of them, matched on the server last picked (predicted cached there)
+    block_tokens: int = 0     # tokens a prefix block stands for
 
 
 def prepare_body(body: dict, raw: bytes) -> tuple[bytes, bool, bool]:
@@ -166,7 +170,7 @@ class Proxy:
     async def forward(self, snapshot: Snapshot, fwd: Forward) -> Response:
         tried: set[str] = set()
         for attempt in range(self.config.max_attempts):
-            server = self._pick(snapshot, fwd.adapter, tried, fwd.prefix)
+            server = self._pick(snapshot, fwd, tried)
             tried.add(server)
             if attempt:
                 self.metrics.retries.inc()
@@ -177,7 +181,10 @@ class Proxy:
                 self.metrics.upstream_failures.labels(server).inc()
         raise UpstreamError(f"{len(tried)} servers failed before answering: {sorted(tried)}")
 
-    def _pick(self, snapshot: Snapshot, adapter: str | None, tried: set[str], prefix: list[int]) -> str:
+    def _pick(self, snapshot: Snapshot, fwd: Forward, tried: set[str]) -> str:
+        """The server for the request's next attempt; with a prefix index, `fwd.cached_blocks` is set to
+        what it predicts that server holds."""
+        adapter, prefix = fwd.adapter, fwd.prefix
         ejected = self.detector.ejected(self.view().servers)
         self.metrics.ejected.set(len(ejected))
         index = self._prefix_index() if prefix else None
@@ -194,6 +201,7 @@ class Proxy:
         self.metrics.picks.labels(server).inc()
         if index is not None:
             matched = next(c.prefix_blocks for c in candidates if c.server_id == server)  # as it counts
+            fwd.cached_blocks, fwd.block_tokens = matched, chunk_tokens(index.config.chunk_chars)
             self._record_prefix(index, snapshot, server, prefix, matched, now)
         return server
 
@@ -437,7 +445,8 @@ class Proxy:
         self.metrics.tokens.labels(label, "prompt").inc(usage.prompt_tokens)
         self.metrics.tokens.labels(label, "completion").inc(usage.completion_tokens)
         if fwd.adapter is not None:
-            self.demand.add(fwd.adapter, usage.prompt_tokens + usage.completion_tokens)
+            self.demand.add(fwd.adapter, demand_tokens(usage.prompt_tokens, usage.completion_tokens,
+                                                       fwd.cached_blocks, fwd.block_tokens))
 
     def _finish(self, fwd: Forward, status: int) -> None:
         self.metrics.requests.labels(fwd.model, str(status)).inc()

@@ -82,6 +82,12 @@ def stop_env(env: RouterEnv) -> None:
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def wait():
+    """`wait(condition, timeout_s=30.0)`: polls until the condition holds, else fails the test."""
+    return wait_for
+
+
 @pytest.fixture
 def router_env(free_port) -> Iterator[RouterEnv]:
     env = make_env(free_port)

@@ -46,12 +46,7 @@ def run(args: argparse.Namespace) -> int:
         trace, profile = read_trace(args.trace), load_profile(args.profile)
     except (OSError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    searched = args.max_loras is None and profile.memory.kv_tokens_per_slot_rank > 0
-    slots = args.max_loras or int(profile.engine["max_loras"])
-    try:
-        choices = slot_choices(profile, max(trace.adapters().values())) if searched else [slots]
-    except ValueError as exc:
-        raise CommandError(str(exc)) from None
+    searched, slots, choices = slot_settings(args, profile, max(trace.adapters().values()))
     with progress("sim plan") as say:
         doc, starved = _run(args, trace, profile, searched, slots, choices, say)
     text = json.dumps(doc, indent=2)
@@ -59,6 +54,16 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 1 if starved else 0
+
+
+def slot_settings(args: argparse.Namespace, profile: Profile, max_rank: int) -> tuple[bool, int, list[int]]:
+    """Whether each policy chooses its own slots, the slots it starts from, and the counts it may try."""
+    searched = args.max_loras is None and profile.memory.kv_tokens_per_slot_rank > 0
+    slots = args.max_loras or int(profile.engine["max_loras"])
+    try:
+        return searched, slots, slot_choices(profile, max_rank) if searched else [slots]
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _run(args, trace, profile: Profile, searched: bool, slots: int, choices, say) -> tuple[dict, bool]:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from loraplex.latency.profile import Profile
 from loraplex.placement import OperatingPoints
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
-from loraplex.sim.metrics import RequestResult, Slo, summarize, trace_duration
+from loraplex.sim.metrics import RequestResult, Slo, Summary, summarize, trace_duration
 from loraplex.sim.planner.greedy import Plan
 from loraplex.sim.planner.oracle import fits_memory
 from loraplex.sim.server import simulate_server
@@ -103,29 +103,28 @@ def slot_choices(profile: Profile, max_rank: int) -> list[int]:
     return sorted(choices, key=lambda s: (abs(math.log(s / default)), s))
 
 
-@dataclass
-class BaselineSearch:
-    """The server-count search of one baseline policy and seed; `trials` records every cluster twin
-    run it made, so a result file shows why one server fewer was not enough."""
+class ServerSearch:
+    """The fewest servers (and adapter slots) with which a cluster twin passes: it starves neither in
+    total nor on any server, and its SLO attainment reaches `target`. A subclass says what one run
+    is (`outcome`) and keeps `target`, `trials` (every run of its search) and `label`."""
 
-    policy: str
-    trace: Trace
-    profile: Profile
-    slo: Slo
     target: float
-    seed: int = 0
-    points: OperatingPoints | None = None
-    trials: list[Trial] = field(default_factory=list)
+    trials: list[Trial]
+    label: str
+
+    def outcome(self, servers: int, slots: int) -> tuple[Summary, int]:
+        """One run with `servers` servers of `slots` slots: its summary and how many servers starved."""
+        raise NotImplementedError
 
     def verdict(self, servers: int, slots: int) -> Verdict:
         """`starved` is True when the cluster starves, any server starves, or attainment < target.
-        The servers' slots are sized for the trace's largest rank."""
-        overrides = {"max_loras": slots, "max_lora_rank": max(self.trace.adapters().values())}
-        config = ClusterConfig(servers, placement=self.policy, interval_s=1e9, seed=self.seed,
-                               engine_overrides=overrides, operating_points=self.points)
-        run = simulate_cluster(self.trace, self.profile, config, self.slo)
-        attainment = run.summary.slo_attainment or 0.0
-        failed = run.summary.starved or run.info["starved_servers"] > 0 or attainment < self.target
+        A count already tried with these slots is answered from its trial."""
+        tried = next((t for t in self.trials if (t.servers, t.slots) == (servers, slots)), None)
+        if tried is not None:
+            return Verdict(servers, not tried.passed, tried.slo_attainment)
+        summary, starved_servers = self.outcome(servers, slots)
+        attainment = summary.slo_attainment or 0.0
+        failed = summary.starved or starved_servers > 0 or attainment < self.target
         self.trials.append(Trial(servers, slots, not failed, attainment))
         return Verdict(servers, failed, attainment)
 
@@ -144,13 +143,13 @@ class BaselineSearch:
                 return verdict
         return None
 
-    def best_slots(self, choices: list[int], start: int) -> tuple[Verdict, int]:
+    def best_slots(self, choices: list[int], start: int, limit: int = MAX_SERVERS) -> tuple[Verdict, int]:
         """The fewest servers over the slot counts in `choices`, and the slots that achieve it. After
         the first count, a count is only asked whether it passes with one server fewer than the best
         so far (and then walked down): a count that cannot beat the best costs a single twin run."""
-        best = self.fewest(choices[0], start)
+        best = self.fewest(choices[0], start, limit)
         if best is None:
-            raise RuntimeError(f"{self.policy}: still starving or below the SLO with {MAX_SERVERS} servers")
+            raise RuntimeError(f"{self.label}: still starving or below the SLO with {limit} servers")
         chosen = choices[0]
         for slots in choices[1:]:
             if best.gpus == 1:
@@ -159,6 +158,33 @@ class BaselineSearch:
             if fewer is not None:
                 best, chosen = fewer, slots
         return best, chosen
+
+
+@dataclass
+class BaselineSearch(ServerSearch):
+    """The server-count search of one baseline policy and seed on the cluster twin; `trials` records
+    every run it made, so a result file shows why one server fewer was not enough."""
+
+    policy: str
+    trace: Trace
+    profile: Profile
+    slo: Slo
+    target: float
+    seed: int = 0
+    points: OperatingPoints | None = None
+    trials: list[Trial] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.policy
+
+    def outcome(self, servers: int, slots: int) -> tuple[Summary, int]:
+        """The servers' slots are sized for the trace's largest rank."""
+        overrides = {"max_loras": slots, "max_lora_rank": max(self.trace.adapters().values())}
+        config = ClusterConfig(servers, placement=self.policy, interval_s=1e9, seed=self.seed,
+                               engine_overrides=overrides, operating_points=self.points)
+        run = simulate_cluster(self.trace, self.profile, config, self.slo)
+        return run.summary, run.info["starved_servers"]
 
 
 def compare_baselines(trace: Trace, profile: Profile, slo: Slo, target: float, slots: list[int], start: int,
