@@ -105,7 +105,8 @@ class Snapshot:
         return [Candidate(server_id=s.id, healthy=s.id not in down, phi=phis.get(s.id, 0.0),
                           residency=_residency(s, adapter), max_rank=s.max_rank,
                           queue_depth=max(in_flight.get(s.id, 0), s.load.running + s.load.waiting),
-                          batch=self._batch(s, in_flight.get(s.id, 0)), prefix_blocks=cached_match(matches.get(s.id, 0), chunk_chars, s.block_size))
+                          batch=self._batch(s, in_flight.get(s.id, 0)),
+                          prefix_blocks=cached_match(matches.get(s.id, 0), chunk_chars, s.block_size))
                 for s in self.servers.values()]
 
     def late_after_s(self, server_id: str) -> float | None:
