@@ -28,6 +28,7 @@ COPY pyproject.toml ./
 COPY loraplex ./loraplex
 COPY node_agent ./node_agent
 COPY router ./router
+COPY local ./local
 COPY operator ./operator
 COPY kernels ./kernels
 RUN pip wheel --no-deps --wheel-dir /wheels . && ls /wheels/loraplex-*.whl

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from typing import NoReturn
 
 from loraplex.spec.errors import CommandError, one_line
@@ -17,6 +17,7 @@ from loraplex.util.args import RefusingParser, check_values
 
 Configure = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
+Check = Callable[[argparse.Namespace], object]  # raises CommandError for values the command would refuse
 
 
 class Parser(argparse.ArgumentParser):
@@ -53,12 +54,14 @@ class CommandRegistry:
                                                               help=argparse.SUPPRESS))
         self._commands: list[tuple[str, str]] = []
         self._configures: dict[str, Configure] = {}
+        self._checks: dict[str, Check] = {}
 
     @property
     def parser(self) -> argparse.ArgumentParser:
         return self._root.parser
 
-    def add(self, path: str, help: str, configure: Configure, run: Run) -> None:
+    def add(self, path: str, help: str, configure: Configure, run: Run, check: Check | None = None) -> None:
+        """`check`, when given, refuses values the parser takes (check_args runs it too)."""
         *groups, leaf = path.split()
         group = self._root
         for name in groups:
@@ -66,23 +69,29 @@ class CommandRegistry:
         sub = group.subparsers.add_parser(leaf, help=help, description=help)
         self._commands.append((path, help))
         self._configures[path] = configure
+        if check is not None:
+            self._checks[path] = check
         configure(sub)
         check_values(sub)
         sub.set_defaults(_run=run)
 
     def check_args(self, path: str, argv: Sequence[str]) -> argparse.Namespace:
         """`argv` parsed as `loraplex <path>` parses it, without running the command: CommandError (one
-        line naming the flag) for what it would refuse. Its required flags are not required here: the
-        caller checking them (`loraplex up` for --agent-arg) passes those itself."""
+        line naming the flag) for what it would refuse: its parser, then its `check`. Its required flags
+        are not required here: the caller checking them (`loraplex up` for --agent-arg) passes those itself.
+        No abbreviations and no -h: `--por=9000` must not slip past the flags a caller owns."""
         parser = RefusingParser(prog=f"loraplex {path}")
         self._configures[path](parser)
         check_values(parser)
         for action in parser._actions:
             action.required = False
         try:
-            return parser.parse_args(argv)
+            args = parser.parse_args(argv)
         except ValueError as exc:
             raise CommandError(f"{path} arguments: {exc}") from None
+        if path in self._checks:
+            self._checks[path](args)
+        return args
 
     def help_parser(self, command: str | None) -> argparse.ArgumentParser:
         group = self._root.children.get(command or "")
@@ -103,11 +112,12 @@ class CommandRegistry:
         return parent.children[name]
 
 
-def run_module(module: str) -> Run:
-    """A command's run that imports `module` (and what it needs: torch, kopf...) only when it runs."""
+def run_module(module: str, function: str = "run") -> Run:
+    """A command's run (or check) that imports `module` (and what it needs: torch, kopf...) only when
+    it is called."""
 
     def run(args: argparse.Namespace) -> int:
-        return import_module(module).run(args)
+        return getattr(import_module(module), function)(args)
 
     return run
 
@@ -122,12 +132,16 @@ def _help_line(text: str, width: int = 72) -> str:
     return text if len(text) <= width else text[:width].rsplit(" ", 1)[0] + " …"
 
 
-def build_registry() -> CommandRegistry:
+def build_registry(only: str | None = None) -> CommandRegistry:
+    """Every command; with `only`, the core's and those of the component registered under that name
+    (`loraplex up` checking --agent-arg loads the agent's, not the 12 benchmark modules)."""
     registry = CommandRegistry()
     from loraplex import commands
 
     commands.register(registry)
     for entry in sorted(entry_points(group="loraplex.commands"), key=lambda e: e.name):
+        if only is not None and entry.name != only:
+            continue
         try:
             register = entry.load()
         except ImportError as exc:  # the component's extra is not installed
@@ -147,7 +161,11 @@ def _register_unavailable(registry: CommandRegistry, name: str, exc: ImportError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    registry = build_registry()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--version"]:
+        print(f"loraplex {version('loraplex')}")
+        return 0
+    registry = build_registry(_component(argv))
     try:
         args = registry.parser.parse_args(argv)
     except SystemExit as exc:  # --help (0), or a refused flag: its one line is printed already
@@ -174,6 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {type(exc).__name__}: {one_line(exc)} (LORAPLEX_DEBUG=1 shows where)", file=sys.stderr)
         return 1
+
+
+def _component(argv: Sequence[str]) -> str | None:
+    """The entry point a command line needs alone: its first word when a component registers under that
+    name and no help of the whole command is asked; else None (all of them)."""
+    names = {entry.name for entry in entry_points(group="loraplex.commands")}
+    return argv[0] if argv and argv[0] in names else None
 
 
 if __name__ == "__main__":

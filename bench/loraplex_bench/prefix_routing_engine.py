@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
-from loraplex_router.local_stack import DEFAULT_MODEL_DIR, StackConfig, running_stack
+from loraplex_local.stack import DEFAULT_MODEL_DIR, StackConfig, running_stack
 
 from loraplex.ports import free_port_block
 from loraplex.sim.sessions import SessionWorkload, make_sessions

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from loraplex_router.local_stack import (
+from loraplex_local.stack import (
     DEFAULT_MODEL_DIR,
     LocalStack,
     StackConfig,

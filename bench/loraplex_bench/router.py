@@ -26,7 +26,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
-from loraplex_router.processes import LORAPLEX, Child, wait_http, wait_port
+from loraplex_local.processes import LORAPLEX, Child, wait_http, wait_port
 
 from loraplex.ports import free_port_block
 from loraplex.routing.records import AdapterRecord, ServerRecord
@@ -105,7 +105,7 @@ def _start_upstream(args: argparse.Namespace, workdir: Path, port: int, redis_ur
         children.append(child)
         wait_http(url + "/health", child, 60)
         return url, "echo-base"
-    from loraplex_router.local_stack import DEFAULT_MODEL_DIR, ensure_tiny_model
+    from loraplex_local.stack import DEFAULT_MODEL_DIR, ensure_tiny_model
 
     folder = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR, workdir)
     base = folder / "base" if (folder / "base").is_dir() else folder

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from statistics import mean
 
-from loraplex_router.local_stack import LocalStack, StackConfig, running_stack
+from loraplex_local.stack import LocalStack, StackConfig, running_stack
 
 from loraplex.ports import free_port_block
 from loraplex.spec.errors import CommandError

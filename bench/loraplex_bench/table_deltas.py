@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraplex_router.processes import Child
+    from loraplex_local.processes import Child
 
     from loraplex_bench.router import start_redis
 

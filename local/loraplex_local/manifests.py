@@ -1,8 +1,9 @@
 """Reading a folder of AdapterPool / LoRADeployment YAML for the local stack, the same files
 `kubectl apply -f` takes, validated by the same models (loraplex.spec.crd).
 
-Local mode resolves what the operator resolves in a cluster: the digest, rank and size of each
-adapter, read from its files. It can do that for `file://` sources; a remote source must declare
+Local mode learns what the operator learns in a cluster: the digest, rank, size and target modules
+of each adapter, read from its files, and writes the record the operator writes
+(loraplex.pool.records). It can read `file://` sources; a remote source must declare
 `adapter.sha256` and `adapter.rank` (the agents still verify the digest when they fetch it). A
 `file://` path without a leading '/' (file://adapters/sql) is relative to the YAML file's folder.
 """
@@ -11,19 +12,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
 
+from loraplex.pool.records import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFacts,
+    AdapterFactsError,
+    adapter_record,
+    check_declared,
+    config_facts,
+    declared_facts,
+)
 from loraplex.routing.choice import pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
-from loraplex.spec.crd import AdapterPool, LoRADeployment, parse_resource
+from loraplex.spec.crd import AdapterPool, AdapterPoolSpec, LoRADeployment, parse_resource
 from loraplex.spec.errors import one_line
 
-WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
+log = logging.getLogger("loraplex.up")
 
 
 class ManifestError(ValueError):
@@ -34,20 +45,30 @@ class ManifestError(ValueError):
 class Manifests:
     pool: AdapterPool | None = None
     deployments: dict[str, tuple[LoRADeployment, Path]] = field(default_factory=dict)  # name -> (obj, file)
+    pool_path: Path | None = None  # the file the AdapterPool came from
 
 
 Resource = AdapterPool | LoRADeployment
 
 
-def read_folder(folder: Path) -> Manifests:
-    """Every *.yaml / *.yml / *.json file in `folder` (not recursive), in name order; ManifestError
-    for the first bad file (the local stack reads a folder file by file instead: ManifestFolder)."""
-    if not folder.is_dir():
-        raise ManifestError(f"{folder} is not a folder")
-    manifests, errors = merge({path: parse_file(path) for path in manifest_files(folder)})
-    if errors:
-        raise ManifestError(next(iter(errors.values())))
-    return manifests
+class Reporter:
+    """Says a file's trouble in one line naming the file, once per change of that file (its size and
+    time of change) or of what is wrong with it: a file left as it is never fills the log, and an edit
+    that still fails is said again."""
+
+    def __init__(self) -> None:
+        self._said: dict[Path, tuple[tuple[int, int] | None, str]] = {}
+
+    def say(self, path: Path, message: str) -> None:
+        said = (_stamp_or_none(path), message)
+        if self._said.get(path) != said:
+            self._said[path] = said
+            log.error("not applied: %s", message if str(path) in message else f"{path}: {message}")
+
+    def forget(self, keep: set[Path]) -> None:
+        """Forget the files not in `keep` (fixed or removed): a new trouble of theirs is said again."""
+        for path in set(self._said) - keep:
+            del self._said[path]
 
 
 def manifest_files(folder: Path) -> list[Path]:
@@ -62,6 +83,13 @@ def folder_fingerprint(folder: Path) -> tuple:
 def _stamp(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_mtime_ns, stat.st_size
+
+
+def _stamp_or_none(path: Path) -> tuple[int, int] | None:
+    try:
+        return _stamp(path)
+    except OSError:
+        return None
 
 
 def parse_file(path: Path) -> list[Resource]:
@@ -82,7 +110,7 @@ def merge(files: dict[Path, list[Resource]]) -> tuple[Manifests, dict[Path, str]
     second AdapterPool, a LoRADeployment defined twice) is left out whole: {file: why}."""
     found, errors = Manifests(), {}
     for path, resources in files.items():
-        candidate = Manifests(found.pool, dict(found.deployments))
+        candidate = Manifests(found.pool, dict(found.deployments), found.pool_path)
         try:
             for resource in resources:
                 _add(candidate, resource, path)
@@ -107,20 +135,29 @@ class ManifestFolder:
         """The manifests of the good files, and {file: one-line error} for the others (re-reading only changed files)."""
         present = manifest_files(self.folder)
         for path in present:
-            stamp = _stamp(path)
+            stamp = _stamp_or_none(path)
             if self._stamps.get(path) == stamp:
                 continue
             self._stamps[path] = stamp
             try:
                 self._good[path] = parse_file(path)
                 self._bad.pop(path, None)
-            except ManifestError as exc:
-                self._bad[path] = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any trouble of one file is that file's, said in one line
+                self._bad[path] = file_error(path, exc)
         for gone in set(self._stamps) - set(present):
             for table in (self._stamps, self._good, self._bad):
                 table.pop(gone, None)
         manifests, clashes = merge({path: self._good[path] for path in present if path in self._good})
         return manifests, {**self._bad, **clashes}
+
+
+def file_error(path: Path, exc: BaseException) -> str:
+    """One line naming the file: a ManifestError's own line, else the exception's type and first line."""
+    if isinstance(exc, ManifestError):
+        return str(exc)
+    if isinstance(exc, AdapterFactsError):
+        return f"{path}: {exc.message}"
+    return f"{path}: {type(exc).__name__}: {one_line(exc)}"
 
 
 def parse_or_explain(obj: object, path: Path) -> AdapterPool | LoRADeployment:
@@ -162,30 +199,30 @@ def _add(found: Manifests, resource: AdapterPool | LoRADeployment, path: Path) -
     if isinstance(resource, AdapterPool):
         if found.pool is not None and found.pool.metadata["name"] != name:
             raise ManifestError(f"{path}: a second AdapterPool {name!r}; the local stack runs one pool")
-        found.pool = resource
+        found.pool, found.pool_path = resource, path
         return
     if name in found.deployments:
         raise ManifestError(f"{path}: LoRADeployment {name!r} is defined twice")
     found.deployments[name] = (resource, path)
 
 
-def adapter_record(deployment: LoRADeployment, path: Path) -> AdapterRecord:
-    """The registry record of a deployment (the adapter is named by the deployment's name)."""
+def deployment_record(deployment: LoRADeployment, path: Path, pool: AdapterPoolSpec | None) -> AdapterRecord:
+    """The registry record of a deployment (the adapter is named by the deployment's name), as the
+    operator writes it; ManifestError naming the file when it cannot be made."""
     name, spec = deployment.metadata["name"], deployment.spec.adapter
     source = resolve_source(spec.source, path.parent)
-    if source.startswith("file://"):
-        digest, rank, size = _inspect(Path(source.removeprefix("file://")), path)
-        if spec.sha256 and f"sha256:{spec.sha256}" != digest:
-            raise ManifestError(f"{path}: adapter {name!r} has digest {digest}, not the declared sha256")
-        if spec.rank and spec.rank != rank:
-            raise ManifestError(f"{path}: adapter {name!r} has rank {rank}, not the declared {spec.rank}")
-    elif spec.sha256 and spec.rank:
-        digest, rank, size = f"sha256:{spec.sha256}", spec.rank, 0
-    else:
-        raise ManifestError(f"{path}: local mode reads digests of file:// adapters only; give adapter.sha256 "
-                            f"and adapter.rank for {spec.source}")
-    return AdapterRecord(name=name, digest=digest, rank=rank, size_bytes=size, source=source,
-                         expected_tps=deployment.spec.traffic.expected_tokens_per_second).validate()
+    try:
+        if source.startswith("file://"):
+            facts = _inspect(Path(source.removeprefix("file://")), path)
+            check_declared(spec, facts.rank, facts.digest)
+        else:
+            facts = declared_facts(spec)
+            if facts is None:
+                raise ManifestError(f"{path}: local mode reads digests of file:// adapters only; give "
+                                    f"adapter.sha256 and adapter.rank for {spec.source}")
+        return adapter_record(name, facts, deployment.spec, pool, source)
+    except AdapterFactsError as exc:
+        raise ManifestError(f"{path}: adapter {name!r}: {exc.message}") from None
 
 
 def resolve_source(source: str, base: Path) -> str:
@@ -194,17 +231,17 @@ def resolve_source(source: str, base: Path) -> str:
     return source
 
 
-def _inspect(folder: Path, manifest: Path) -> tuple[str, int, int]:
+def _inspect(folder: Path, manifest: Path) -> AdapterFacts:
     weights, config = folder / WEIGHTS_FILE, folder / CONFIG_FILE
     if not weights.is_file() or not config.is_file():
         raise ManifestError(f"{manifest}: {folder} is not a PEFT adapter folder ({CONFIG_FILE} and "
                             f"{WEIGHTS_FILE} are needed)")
     try:
-        rank = int(json.loads(config.read_text())["r"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ManifestError(f"{manifest}: {config} has no valid rank 'r': {exc}") from exc
+        rank, modules = config_facts(json.loads(config.read_text()))
+    except ValueError as exc:
+        raise ManifestError(f"{manifest}: {config}: {one_line(exc)}") from None
     digest = hashlib.sha256()
     with weights.open("rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return "sha256:" + digest.hexdigest(), rank, weights.stat().st_size
+    return AdapterFacts("sha256:" + digest.hexdigest(), rank, weights.stat().st_size, modules)

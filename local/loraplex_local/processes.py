@@ -1,7 +1,14 @@
-"""Child processes of the local stack: started with their output in a log file, stopped politely."""
+"""Child processes of the local stack: started with their output in a log file, stopped politely,
+and bound to the stack's life: on Linux each child asks the kernel (prctl PR_SET_PDEATHSIG) for SIGTERM
+when the process that started it dies, so even `kill -9` of `loraplex up` leaves no agent, router or
+redis-server holding its port. A Supervisor restarts children that exit, with backoff, as a kubelet
+restarts containers."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import os
 import signal
 import socket
@@ -14,6 +21,35 @@ from pathlib import Path
 import httpx
 
 LORAPLEX = [sys.executable, "-m", "loraplex.cli"]
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+log = logging.getLogger("loraplex.up")
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up here (not in the forked child, where only async-signal-safe work is safe)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """The child's pre-exec step: SIGTERM when `parent` dies (kept across exec), and exit at once if it
+    died already, between fork and here."""
+    if _PRCTL is None:
+        return None
+
+    def bind() -> None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return bind
 
 
 class Child:
@@ -29,8 +65,10 @@ class Child:
         log = self.log_path.open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         # A new session: Ctrl-C in the terminal reaches the stack, which then stops its children in order.
+        # The kernel's parent-death signal is sent when the *thread* that forked exits: children are
+        # started from the thread that runs the stack to its end (the main thread of `loraplex up`).
         self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_die_with(os.getpid()))
         log.close()
         return self
 
@@ -58,6 +96,43 @@ class Child:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+class Supervisor:
+    """Restarts the children that exit, each after a backoff that doubles from `first_s` up to `max_s`
+    and starts again from `first_s` once a child has stayed up `steady_s`; each exit is one line."""
+
+    def __init__(self, first_s: float = 1.0, max_s: float = 30.0, steady_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.first_s, self.max_s, self.steady_s, self.clock = first_s, max_s, steady_s, clock
+        self._started: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self._due: dict[str, float] = {}  # name -> when the exited child starts again
+
+    def check(self, children: Sequence[Child]) -> list[Child]:
+        """Says each newly exited child and restarts those whose backoff has passed; returns them."""
+        now, restarted = self.clock(), []
+        for child in children:
+            if child.alive:
+                self._started.setdefault(child.name, now)
+                continue
+            if child.name not in self._due:
+                self._due[child.name] = now + self._next_backoff(child.name, now)
+                log.error("%s exited with status %s; restarting it in %.0f s (its log: %s)", child.name,
+                          child.process.returncode if child.process else None, self._due[child.name] - now,
+                          child.log_path)
+            elif now >= self._due.pop(child.name):
+                child.start()
+                self._started[child.name] = now
+                restarted.append(child)
+        return restarted
+
+    def _next_backoff(self, name: str, now: float) -> float:
+        started = self._started.pop(name, now)
+        steady = now - started >= self.steady_s
+        backoff = self.first_s if steady or name not in self._backoff else min(2 * self._backoff[name], self.max_s)
+        self._backoff[name] = backoff
+        return backoff
 
 
 def wait_http(url: str, child: Child, timeout_s: float) -> None:

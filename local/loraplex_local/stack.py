@@ -6,6 +6,12 @@
                           whenever servers or adapters change
     loraplex router       the OpenAI-compatible endpoint, http://127.0.0.1:8080/v1
 
+It is the local driver of the pool control plane (loraplex.pool): the controller, the refusal of a
+pool spec, the adapters' registry records and the replica bounds are the operator's, built by the same
+functions; only the drivers differ (files and processes here, the API server and pods there). `up`
+supervises what it starts: a router or agent that exits is restarted with backoff, and every child
+dies with `up`, even on SIGKILL (processes.py).
+
 The -f folder holds AdapterPool / LoRADeployment YAML (the files `kubectl apply -f` takes). It is
 watched: a new, changed or deleted file is applied within a second, without restarting anything.
 The AdapterPool's `spec.routing` reaches the router through the routing table, as on Kubernetes.
@@ -26,69 +32,37 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
-from loraplex.cli import build_registry
-from loraplex.engine.policy_check import engine_error
 from loraplex.placement.controller import PlacementController
-from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
-from loraplex.placement.max_replicas import MaxReplicasPolicy
-from loraplex.placement.operating_points import default_operating_points
-from loraplex.placement.policy import make_policy
+from loraplex.pool import ReplicaBounds, build_controller, replica_bounds, spec_failure
 from loraplex.ports import in_use, listener
-from loraplex.routing.choice import RoutingChoice, pool_routing, routing_error
-from loraplex.routing.records import AdapterRecord
+from loraplex.routing.choice import RoutingChoice, pool_routing
+from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
 from loraplex.spec.agent_flags import agent_flags
-from loraplex.spec.crd import API_VERSION, AdapterPool, AdapterPoolSpec, LoRADeployment
+from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment, PlacementSpec
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import WallClock
-from loraplex_router.main import check_router_args
-from loraplex_router.manifests import (
+from loraplex_local.flags import StackConfig, base_model_folder, config_from_args
+from loraplex_local.manifests import (
     ManifestError,
     ManifestFolder,
     Manifests,
-    adapter_record,
+    Reporter,
+    deployment_record,
+    file_error,
     folder_fingerprint,
 )
-from loraplex_router.processes import LORAPLEX, Child, answers, wait_http, wait_port
+from loraplex_local.processes import LORAPLEX, Child, Supervisor, answers, wait_http, wait_port
 
 log = logging.getLogger("loraplex.up")
-# Router flags the stack sets itself: it connects the router to its Redis and pool, and waits on its port.
-STACK_ROUTER_FLAGS = ("--redis-url", "--pool", "--port")
-# Agent flags the stack sets itself (_agent_argv): where each agent listens and is reached, its model,
-# pool, adapter store and heartbeats, its backend and the vLLM server beside it.
-STACK_AGENT_FLAGS = ("--host", "--port", "--model", "--redis-url", "--pool", "--server-id", "--advertise-url",
-                     "--adapter-store", "--heartbeat-interval", "--heartbeat-ttl", "--backend", "--vllm-port",
-                     "--vllm-log", "--vllm-python")
 DEFAULT_MODEL_DIR = Path("models/tiny")
+DEFAULT_INTERVAL_S = 10.0  # placement interval without an AdapterPool (a pool's spec.placement sets its own)
 KERNEL_BUILD = "building the fused CPU LoRA kernel"  # the line an agent logs while it compiles (loraplex_kernels)
 VLLM_STARTUP_FACTOR = 4  # vLLM servers take 30-90 s each to start on two cores, all at once
-
-
-@dataclass
-class StackConfig:
-    agents: int = 3
-    manifests: Path | None = None
-    model: Path | None = None            # the base model folder; default: the tiny model
-    pool: str | None = None
-    router_port: int = 8080
-    agent_base_port: int = 8100
-    redis_port: int = 6390
-    redis_url: str | None = None         # use a running Redis instead of starting one
-    placement: str | None = None
-    placement_interval_s: float | None = None
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 6.0
-    workdir: Path = Path(".loraplex")
-    agent_args: list[str] = field(default_factory=list)
-    router_args: list[str] = field(default_factory=list)
-    startup_timeout_s: float = 180.0
-    backend: str | None = None           # loraplex or vllm; default: the AdapterPool's engine.backend
-    vllm_args: list[str] = field(default_factory=list)  # extra flags of every vLLM server
-    vllm_python: str | None = None       # interpreter with vllm (default: env LORAPLEX_VLLM_PYTHON)
 
 
 class LocalStack:
@@ -96,7 +70,7 @@ class LocalStack:
         self.config = config
         self.logs = config.workdir / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # this run's
         self._folder = ManifestFolder(config.manifests) if config.manifests is not None else None
-        self._reported: dict[Path, str] = {}  # bad manifest files, each logged once per distinct error
+        self._reporter = Reporter()  # bad manifest files, each said once per change
         self.manifests = self._read_manifests(at_start=True)
         self.pool = config.pool or (self.manifests.pool.metadata["name"] if self.manifests.pool else "local")
         self.redis: Child | None = None
@@ -112,6 +86,7 @@ class LocalStack:
         self._tick_lock = threading.Lock()  # held by tick() and by placement_paused()
         self._thread: threading.Thread | None = None
         self._reported_dead: set[str] = set()
+        self._supervisor = Supervisor()
 
     @property
     def router_url(self) -> str:
@@ -143,6 +118,7 @@ class LocalStack:
         self.check_ports()
         if self.backend == "vllm":
             check_vllm(self.config.vllm_python)
+        self.desired_records(at_start=True)  # a bad file refuses the start before anything runs
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         link_latest(self.logs)
         model = self._base_model()
@@ -203,8 +179,12 @@ class LocalStack:
             self.redis.stop()
 
     def check_ports(self) -> None:
-        """CommandError naming the first port this stack needs that something listens on already (another
-        `loraplex up`, most often), before anything starts: its health checks would reach the other stack."""
+        """CommandError naming the first port this stack needs beyond 65535, or that something listens on
+        already (another `loraplex up`, most often), before anything starts: its health checks would reach
+        the other stack."""
+        for port, what, flag in self.ports():
+            if port > 65535:
+                raise CommandError(f"{flag}: {what} would listen on port {port}, beyond 65535; choose a lower {flag}")
         for port, what, flag in self.ports():
             if in_use(port):
                 user = listener(port)
@@ -222,18 +202,24 @@ class LocalStack:
             found.append((c.redis_port, "redis-server", "--redis-port (or --redis-url)"))
         return found
 
-    def serving_children_dead(self) -> bool:
-        """The router and every agent have exited: nothing this stack started serves any more."""
-        children = [self.router, *self.agents.values()]
-        return all(child is not None and not child.alive for child in children)
-
     def check_children(self) -> None:
-        """Report children that exited (they are not restarted: a local stack is for trying things)."""
-        for child in [self.router, *self.agents.values(), self.redis]:
-            if child is not None and not child.alive and child.name not in self._reported_dead:
+        """Children that exited: restarted with backoff when the config says so (`loraplex up`, from the
+        thread that started them), else said once (tests and benchmarks kill agents on purpose)."""
+        children = [c for c in (self.redis, *self.agents.values(), self.router) if c is not None]
+        if self.config.restart:
+            self._supervisor.check(children)
+            return
+        for child in children:
+            if not child.alive and child.name not in self._reported_dead:
                 self._reported_dead.add(child.name)
                 log.error("%s exited with status %s; its log: %s", child.name, child.process.returncode,
                           child.log_path)
+
+    def serving(self, servers: list[ServerRecord]) -> list[ServerRecord]:
+        """The heartbeating servers whose agent process runs (a kubelet's Ready, locally): a killed agent
+        leaves the placement at once, not when its heartbeat expires. A server this stack did not start
+        (another process joined the pool) is kept."""
+        return [s for s in servers if s.id not in self.agents or self.agents[s.id].alive]
 
     def start_redis(self) -> None:
         binary = shutil.which("redis-server")
@@ -276,19 +262,12 @@ class LocalStack:
         self.controller.step()
 
     def apply_manifests(self) -> None:
-        desired = {}
-        for name, (deployment, path) in self.manifests.deployments.items():
-            if deployment.spec.pool != self.pool:
-                log.warning("%s: LoRADeployment %s is for pool %r, not %r; skipped", path, name,
-                            deployment.spec.pool, self.pool)
-                continue
-            try:
-                desired[name] = self._record(name, deployment, path)
-            except ManifestError as exc:
-                self._report(path, str(exc))
+        """The registry in line with the deployments of this pool; a file whose record cannot be made
+        is said once per change and left out, the others apply."""
+        desired = self.desired_records()
         stored = {a.name: a for a in self.store.adapters()}
         for name, record in desired.items():
-            if name not in stored or stored[name].digest != record.digest or stored[name].source != record.source:
+            if name not in stored or stored[name].to_json() != record.to_json():
                 self.store.put_adapter(record)
                 log.info("applied LoRADeployment %s (%s, rank %d)", name, record.digest[:19], record.rank)
         for name in set(self.desired) - set(desired):
@@ -296,18 +275,40 @@ class LocalStack:
             log.info("removed LoRADeployment %s", name)
         self.desired = desired
 
-    def _record(self, name: str, deployment, path: Path) -> AdapterRecord:
-        """The deployment's record, hashed again only when its manifest changed."""
-        key = (str(path), deployment.model_dump_json())
+    def desired_records(self, at_start: bool = False) -> dict[str, AdapterRecord]:
+        """{adapter: record} of this pool's deployments. A deployment for another pool, or one whose
+        record cannot be made (any error), is said in one line naming its file; at start a record that
+        cannot be made is refused (ManifestError) before anything runs."""
+        desired, errors = {}, {}
+        for name, (deployment, path) in self.manifests.deployments.items():
+            if deployment.spec.pool != self.pool:  # said once per change of its file, never refused
+                self._reporter.say(path, f"{path}: LoRADeployment {name!r} is for pool {deployment.spec.pool!r}, "
+                                   f"not {self.pool!r}; skipped")
+                continue
+            try:
+                desired[name] = self._record(name, deployment, path)
+            except Exception as exc:  # noqa: BLE001 - one file's trouble never stops the others
+                errors[path] = file_error(path, exc)
+        if at_start and errors:
+            more = f" (and {len(errors) - 1} more bad files)" if len(errors) > 1 else ""
+            raise ManifestError(next(iter(errors.values())) + more)
+        for path, error in errors.items():
+            self._reporter.say(path, error)
+        return desired
+
+    def _record(self, name: str, deployment: LoRADeployment, path: Path) -> AdapterRecord:
+        """The deployment's record, hashed again only when its manifest or the pool changed."""
+        pool = self._pool_spec()
+        key = (str(path), deployment.model_dump_json(), pool.model_dump_json() if pool else "")
         cached = self._records.get(name)
         if cached is None or cached[0] != key:
-            cached = (key, adapter_record(deployment, path))
+            cached = (key, deployment_record(deployment, path, pool.spec if pool else None))
             self._records[name] = cached
         return cached[1]
 
     def _read_manifests(self, at_start: bool = False) -> Manifests:
         """The good files' manifests. At start a bad file is refused (ManifestError: the pool's settings
-        become flags); later it is reported once per distinct error while the other files keep applying."""
+        become flags); later it is said once per change while the other files keep applying."""
         if self._folder is None:
             return Manifests()
         self._fingerprint = folder_fingerprint(self._folder.folder)
@@ -315,24 +316,17 @@ class LocalStack:
         if at_start and errors:
             more = f" (and {len(errors) - 1} more bad files)" if len(errors) > 1 else ""
             raise ManifestError(next(iter(errors.values())) + more)
-        for path in set(self._reported) - set(errors):  # fixed (or a record error, found again when applied)
-            del self._reported[path]
+        self._reporter.forget(set(errors) | {path for _, path in manifests.deployments.values()})
         for path, error in errors.items():
-            self._report(path, error)
-        error = _pool_error(manifests.pool.spec) if manifests.pool else ""
+            self._reporter.say(path, error)
+        _, error = spec_failure(manifests.pool.spec) if manifests.pool else ("", "")
         if error:  # the agents or the router would refuse it: say so, and keep the pool applied before
-            message = f"{self._folder.folder}: AdapterPool {manifests.pool.metadata.get('name')!r}: {error}"
+            message = f"{manifests.pool_path}: AdapterPool {manifests.pool.metadata.get('name')!r}: {error}"
             if at_start:
                 raise ManifestError(message)
-            self._report(self._folder.folder, message)
-            manifests = replace(manifests, pool=self.manifests.pool)
+            self._reporter.say(manifests.pool_path, message)
+            manifests = replace(manifests, pool=self.manifests.pool, pool_path=self.manifests.pool_path)
         return manifests
-
-    def _report(self, path: Path, error: str) -> None:
-        """Log a bad manifest once, and again only when its error changes."""
-        if self._reported.get(path) != error:
-            self._reported[path] = error
-            log.error("not applied: %s", error)
 
     # ---- configuration ----------------------------------------------------------------------
 
@@ -347,7 +341,7 @@ class LocalStack:
 
     def _base_model(self) -> Path:
         if self.config.model is not None:
-            return self.config.model / "base" if (self.config.model / "base").is_dir() else self.config.model
+            return base_model_folder(self.config.model)
         pool = self._pool_spec()
         if pool and pool.spec.base_model.source.startswith("file://"):
             source = pool.spec.base_model.source.removeprefix("file://")
@@ -402,38 +396,24 @@ class LocalStack:
                 "--port", str(self.config.router_port), "--poll-interval", "0.5", *self.config.router_args]
 
     def build_controller(self) -> PlacementController:
-        """The pool's policy, hysteresis and interval, as the operator runs them; the replica bounds
-        of the LoRADeployments are read at every placement, so edited files take effect."""
+        """The pool's controller, built as the operator builds it (loraplex.pool.build_controller): its
+        policy (or --placement), hysteresis and interval; the CPU operating points, because `up` starts
+        its agents with --device cpu; the live agent processes as the servers that may serve; the
+        replica bounds of the LoRADeployments read at every placement, so edited files take effect."""
         pool = self._pool_spec()
-        policy = self.config.placement or (pool.spec.placement.policy if pool else "loraserve")
-        interval = self.config.placement_interval_s or (pool.spec.placement.interval_seconds if pool else 10.0)
-        hysteresis = pool.spec.placement.hysteresis if pool else DEFAULT_HYSTERESIS
+        placement = pool.spec.placement if pool else PlacementSpec()
+        interval = self.config.placement_interval_s or (None if pool else DEFAULT_INTERVAL_S)
         try:
-            chosen = make_policy(policy, random.Random(0), hysteresis=hysteresis)
+            return build_controller(self.store, placement, WallClock(), random.Random(self.pool), self.bounds,
+                                    gpu=False, server_filter=self.serving, routing=self.routing,
+                                    policy=self.config.placement, interval_s=interval)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
-        return PlacementController(self.store, MaxReplicasPolicy(chosen, self.max_replicas), WallClock(), interval,
-                                   default_operating_points("cpu"), min_replicas=self.min_replicas,
-                                   routing=self.routing)
 
-    def min_replicas(self) -> dict[str, int]:
-        """{adapter: replicas.min} of the applied deployments (the controller's floor)."""
-        return {name: self.manifests.deployments[name][0].spec.replicas.min for name in self.desired}
-
-    def max_replicas(self) -> dict[str, int]:
-        """{adapter: replicas.max} of the applied deployments that set one."""
-        specs = {name: self.manifests.deployments[name][0].spec.replicas for name in self.desired}
-        return {name: r.max for name, r in specs.items() if r.max is not None}
-
-
-def _pool_error(spec: AdapterPoolSpec) -> str:
-    """What the agents (engine policies and their options) or the router (routing) would refuse, as
-    the operator checks it before making pods; '' when nothing."""
-    error = engine_error(spec.engine)
-    if error:
-        return f"engine: {error}"
-    error = routing_error(pool_routing(spec))
-    return f"routing: {error}" if error else ""
+    def bounds(self) -> ReplicaBounds:
+        """The replica bounds of the applied deployments."""
+        return replica_bounds((name, self.manifests.deployments[name][0].spec.replicas) for name in self.desired
+                              if name in self.manifests.deployments)
 
 
 def default_manifests(adapters: Path, pool: str) -> Manifests:
@@ -499,63 +479,6 @@ def running_stack(config: StackConfig) -> Iterator[LocalStack]:
         stack.stop()
 
 
-def router_args_from(args: argparse.Namespace) -> list[str]:
-    """The router's flags: the routing ones, then --router-arg verbatim (last: a later flag wins in
-    argparse). CommandError, before anything starts, for what `loraplex router` would refuse."""
-    router_args = ["--profile", args.profile]
-    if args.scorers:
-        router_args += ["--scorers", args.scorers]
-    if args.picker:
-        router_args += ["--picker", args.picker]
-    for option in args.routing_option:
-        router_args += ["--routing-option", option]
-    _refuse_owned("--router-arg", args.router_arg, STACK_ROUTER_FLAGS)
-    router_args += args.router_arg
-    check_router_args(router_args)
-    return router_args
-
-
-def agent_args_from(args: argparse.Namespace) -> list[str]:
-    """--agent-arg verbatim. CommandError, before anything starts, for what `loraplex agent` would refuse
-    (checked with the agent's own parser, through the command registry of the core: the router's
-    component imports no other component) and for a flag the stack sets itself."""
-    _refuse_owned("--agent-arg", args.agent_arg, STACK_AGENT_FLAGS)
-    build_registry().check_args("agent", args.agent_arg)
-    return list(args.agent_arg)
-
-
-def _refuse_owned(option: str, values: list[str], owned: tuple[str, ...]) -> None:
-    taken = [value for value in values if value.split("=", 1)[0] in owned]
-    if taken:
-        raise CommandError(f"{option}={taken[0]}: `loraplex up` sets it itself (its own flags: "
-                           "`loraplex up --help`)")
-
-
-def config_from_args(args: argparse.Namespace) -> StackConfig:
-    if args.agents < 1:
-        raise CommandError("--agents must be at least 1")
-    manifests = Path(args.manifests) if args.manifests else None
-    if manifests is not None and not manifests.is_dir():
-        raise CommandError(f"-f {args.manifests}: not a folder")
-    if args.placement is not None:
-        try:
-            make_policy(args.placement, random.Random(0))
-        except ValueError as exc:
-            raise CommandError(f"--placement: {exc}") from None
-    if args.placement_interval is not None and not args.placement_interval > 0:
-        raise CommandError("--placement-interval must be positive")
-    if not args.heartbeat_ttl > 0:
-        raise CommandError("--heartbeat-ttl must be positive")
-    return StackConfig(agents=args.agents, manifests=manifests, model=Path(args.model) if args.model else None,
-                       pool=args.pool, router_port=args.port, agent_base_port=args.agent_base_port,
-                       redis_port=args.redis_port, redis_url=args.redis_url, placement=args.placement,
-                       placement_interval_s=args.placement_interval, heartbeat_ttl_s=args.heartbeat_ttl,
-                       workdir=Path(args.workdir), agent_args=agent_args_from(args),
-                       router_args=router_args_from(args),
-                       backend=getattr(args, "backend", None), vllm_args=list(getattr(args, "vllm_arg", [])),
-                       vllm_python=getattr(args, "vllm_python", None))
-
-
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -579,10 +502,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"loraplex is up: pool {stack.pool}, {len(stack.agents)} agents, OpenAI endpoint "
               f"{stack.router_url}/v1 (logs in {stack.logs}); Ctrl-C stops everything", flush=True)
         while not signalled.wait(1.0):
-            stack.check_children()
-            if stack.serving_children_dead():
-                log.error("the router and every agent have exited; stopping (logs in %s)", stack.logs)
-                return 1
+            stack.check_children()  # restarts what exited, from this thread (the children's parent-death binding)
     except KeyboardInterrupt:
         pass
     except (ManifestError, RuntimeError) as exc:

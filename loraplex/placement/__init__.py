@@ -5,7 +5,7 @@ over a RoutingStore every interval."""
 from loraplex.placement.controller import ControllerReport, PlacementController, build_input
 from loraplex.placement.forecast import FORECASTERS, ewma, last_window, make_forecaster
 from loraplex.placement.loraserve import DEFAULT_HYSTERESIS
-from loraplex.placement.max_replicas import MaxReplicasPolicy, cap_placement, cap_routes
+from loraplex.placement.max_replicas import cap_placement, cap_routes
 from loraplex.placement.operating_points import (
     DEFAULT_CPU,
     DEFAULT_GPU,
@@ -28,5 +28,5 @@ __all__ = [
     "OperatingPointsError", "Placement", "PlacementAdapter", "PlacementController", "PlacementError",
     "PlacementInput", "PlacementPolicy", "PlacementServer", "build_input",
     "default_operating_points", "ewma", "last_window", "make_forecaster", "make_policy",
-    "MaxReplicasPolicy", "cap_placement", "cap_routes", "cap_slots",
+    "cap_placement", "cap_routes", "cap_slots",
 ]

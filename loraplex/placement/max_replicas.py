@@ -2,16 +2,14 @@
 
 The policies know only a minimum (`PlacementAdapter.min_replicas`). The maximum is applied to the
 policy's result, before the controller compares and publishes, so one placement is one table version
-with both bounds in it. Used by the operator and by `loraplex up`."""
+with both bounds in it (loraplex.pool.policy.PoolPolicy applies it for both drivers)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 
-from loraplex.placement.policy import PlacementPolicy
-from loraplex.placement.slots import cap_slots
-from loraplex.placement.snapshot import Placement, PlacementInput
+from loraplex.placement.snapshot import Placement
 
 
 def cap_routes(weights: Mapping[str, float], limit: int) -> dict[str, float]:
@@ -31,15 +29,3 @@ def cap_placement(placement: Placement, maximum: Mapping[str, int]) -> Placement
     weights = {a: cap_routes(routes, maximum[a]) if a in over else routes for a, routes in placement.weights.items()}
     return replace(placement, weights=weights)
 
-
-class MaxReplicasPolicy:
-    """`inner`, then `cap_placement`, then the servers' adapter slots (`cap_slots`). `maximum` is asked
-    at each placement for {adapter: replicas.max} because deployments change between placements;
-    adapters it leaves out have no cap."""
-
-    def __init__(self, inner: PlacementPolicy, maximum: Callable[[], Mapping[str, int]]) -> None:
-        self.inner, self.maximum = inner, maximum
-        self.name = inner.name
-
-    def place(self, inp: PlacementInput) -> Placement:
-        return cap_slots(cap_placement(self.inner.place(inp), self.maximum()), inp)

@@ -2,9 +2,10 @@
 
 `replicas.min` goes to the placement core (PlacementAdapter.min_replicas, through the controller's
 `min_replicas` callable), which puts each adapter on that many capable servers. The core has no
-maximum: `cap_placement` (loraplex.placement.max_replicas, shared with `loraplex up`) trims every
-capped adapter to its heaviest `max` routes, inside the pool's policy (pool_policy.PoolPolicy), before
-the controller compares and publishes: one table version per placement, with both bounds in it."""
+maximum: `cap_placement` (loraplex.placement.max_replicas) trims every capped adapter to its heaviest
+`max` routes, inside the pool's policy (loraplex.pool.policy.PoolPolicy), before the controller
+compares and publishes: one table version per placement, with both bounds in it. Both drivers (the
+operator, `loraplex up`) hold the bounds in this one form."""
 
 from __future__ import annotations
 

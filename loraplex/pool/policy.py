@@ -1,4 +1,4 @@
-"""The placement policy the operator runs for a pool: the named policy, then `replicas.max`, then the
+"""The placement policy both drivers run for a pool: the named policy, then `replicas.max`, then the
 servers' adapter slots (a vLLM server's max_cpu_loras), then a measure of the busiest server, all
 before the controller compares and publishes (one version).
 

@@ -11,9 +11,9 @@ import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from loraplex.pool.records import AdapterFactsError, adapter_record
 from loraplex.routing import (
     AdapterRecord,
-    RecordError,
     RoutingTable,
     ServerRecord,
     StaleVersionError,
@@ -67,11 +67,9 @@ def rank_too_large(rank: int, pool: AdapterPoolSpec) -> str | None:
 def _record(ref: ObjectRef, spec: LoRADeploymentSpec, pool: AdapterPoolSpec, deps: Deps) -> AdapterRecord:
     facts = deps.inspector.inspect(spec.adapter, _credentials(deps, ref.namespace, spec))
     try:
-        return AdapterRecord(ref.name, facts.digest, facts.rank, facts.size_bytes, spec.adapter.source,
-                             facts.target_modules, pool.base_model.name,
-                             spec.traffic.expected_tokens_per_second).validate()
-    except RecordError as exc:
-        raise InspectionError("InvalidAdapter", str(exc)) from exc
+        return adapter_record(ref.name, facts, spec, pool)
+    except AdapterFactsError as exc:
+        raise InspectionError(exc.reason, exc.message) from exc
 
 
 def _known_record(existing: AdapterRecord | None, spec: LoRADeploymentSpec, generation: int | None,

@@ -11,18 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loraplex.placement.controller import ControllerReport, PlacementController
-from loraplex.placement.operating_points import default_operating_points
-from loraplex.placement.policy import make_policy
+from loraplex.pool import AdapterFacts, build_controller
+from loraplex.pool.bounds import ReplicaBounds
 from loraplex.routing import RoutingStore
 from loraplex.spec.crd import AdapterPoolSpec, AdapterSource
 from loraplex.util.clock import Clock
 from loraplex_operator.config import OperatorConfig
-from loraplex_operator.inspect_source import AdapterFacts
 from loraplex_operator.kube import EventSink, KubeApi
 from loraplex_operator.planner_runner import PlannerRunner
-from loraplex_operator.pool_policy import PoolPolicy
 from loraplex_operator.pool_routes import ControllerKey, PoolRoutes
-from loraplex_operator.replica_bounds import ReplicaBounds
 from loraplex_operator.throttle import Throttle
 
 
@@ -85,12 +82,9 @@ class Deps:
         return routes.controller(_controller_key(spec), lambda: self._build_controller(routes, spec))
 
     def _build_controller(self, routes: PoolRoutes, spec: AdapterPoolSpec) -> PlacementController:
-        policy = make_policy(spec.placement.policy, self.make_random(routes.store.pool),
-                             hysteresis=spec.placement.hysteresis)
-        pool_policy = PoolPolicy(policy, lambda: routes.bounds.maximum)
-        points = default_operating_points("gpu" if spec.servers.gpus_per_server > 0 else "cpu")
-        return PlacementController(routes.store, pool_policy, self.clock, spec.placement.interval_seconds, points,
-                                   min_replicas=lambda: routes.bounds.minimum, server_filter=routes.serving)
+        return build_controller(routes.store, spec.placement, self.clock, self.make_random(routes.store.pool),
+                                lambda: routes.bounds, gpu=spec.servers.gpus_per_server > 0,
+                                server_filter=routes.serving)
 
     def forget(self, pool: str) -> None:
         """Drops what this operator keeps for a deleted pool. Its store is not closed here: handlers of

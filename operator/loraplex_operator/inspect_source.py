@@ -14,12 +14,18 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from loraplex.pool.records import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFacts,
+    AdapterFactsError,
+    check_declared,
+    config_facts,
+    declared_facts,
+)
 from loraplex.spec.crd import AdapterSource
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_WEIGHTS_BYTES = 8 << 30
 _CHUNK = 1 << 20
 HF_ENDPOINT = "https://huggingface.co"
@@ -31,14 +37,6 @@ class InspectionError(RuntimeError):
     def __init__(self, reason: str, message: str, retryable: bool = False) -> None:
         super().__init__(message)
         self.reason, self.message, self.retryable = reason, message, retryable
-
-
-@dataclass(frozen=True)
-class AdapterFacts:
-    digest: str  # "sha256:<hex>"
-    rank: int
-    size_bytes: int
-    target_modules: tuple[str, ...] = ()
 
 
 def file_url(source: str, file_name: str, hf_endpoint: str = HF_ENDPOINT) -> str:
@@ -58,21 +56,18 @@ class SourceInspector:
         self._timeout, self._hf, self._max = timeout_s, hf_endpoint, max_bytes
 
     def inspect(self, adapter: AdapterSource, credentials: Mapping[str, str]) -> AdapterFacts:
-        if adapter.sha256 and adapter.rank:
-            return AdapterFacts(f"sha256:{adapter.sha256}", adapter.rank, 0)
+        declared = declared_facts(adapter)
+        if declared is not None:
+            return declared
         headers = {"Authorization": f"Bearer {credentials['HF_TOKEN']}"} if "HF_TOKEN" in credentials else {}
-        config = self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers)
-        rank = config.get("r")
-        if not isinstance(rank, int) or rank < 1:
-            raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} has no positive integer rank 'r': {rank!r}")
-        if adapter.rank is not None and adapter.rank != rank:
-            raise InspectionError("RankMismatch", f"spec.adapter.rank is {adapter.rank} but the adapter has r={rank}")
-        digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
-        if adapter.sha256 and digest != f"sha256:{adapter.sha256}":
-            raise InspectionError("DigestMismatch", f"weights digest is {digest}, spec.adapter.sha256 says "
-                                  f"sha256:{adapter.sha256}")
-        modules = config.get("target_modules") or ()
-        return AdapterFacts(digest, rank, size, tuple(modules) if isinstance(modules, list) else ())
+        try:
+            rank, modules = config_facts(self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers))
+            check_declared(adapter, rank)
+            digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
+            check_declared(adapter, rank, digest)
+        except AdapterFactsError as exc:
+            raise InspectionError(exc.reason, exc.message) from exc
+        return AdapterFacts(digest, rank, size, modules)
 
     def _open(self, url: str, headers: Mapping[str, str]):  # noqa: ANN202 - an http.client response
         try:
@@ -83,14 +78,12 @@ class SourceInspector:
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
             raise InspectionError("SourceUnreachable", f"GET {url}: {exc}", retryable=True) from exc
 
-    def _config(self, url: str, headers: Mapping[str, str]) -> dict:
+    def _config(self, url: str, headers: Mapping[str, str]) -> object:
         with self._open(url, headers) as response:
             try:
                 doc = json.loads(response.read(1 << 20))
             except ValueError as exc:
                 raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} is not JSON: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} is not a JSON object")
         return doc
 
     def _hash(self, url: str, headers: Mapping[str, str]) -> tuple[str, int]:

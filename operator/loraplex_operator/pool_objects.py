@@ -15,13 +15,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplex.pool.refusal import (
+    ADAPTERS_DIR,
+    ADAPTERS_VOLUME,
+    MODELS_DIR,
+    MODELS_VOLUME,
+    OWN_MOUNTS,
+    SHM_VOLUME,
+)
 from loraplex.spec.agent_flags import agent_flags, configmap_data
 from loraplex.spec.crd import AdapterPoolSpec
 from loraplex_operator import names
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.vllm_objects import (
     AGENT_RESOURCES,
-    PLUGIN_DIR,
     plugin_data,
     plugin_volume,
     uses_vllm,
@@ -30,17 +37,10 @@ from loraplex_operator.vllm_objects import (
     vllm_settings,
 )
 
-MODELS_DIR = "/var/lib/loraplex/models"
-ADAPTERS_DIR = "/var/lib/loraplex/adapters"
-SHM_DIR = "/dev/shm"
 USER_ID = 10001  # the non-root user of the images (Dockerfile)
-# The pod's own volumes. Users add theirs in servers.volumes / volumeMounts: names with our prefix
-# and mount paths over or under ours are refused (VOLUME_CONFLICT), never merged into a pod the
-# API server would reject.
-OWN_PREFIX = "loraplex-"
-MODELS_VOLUME, ADAPTERS_VOLUME, SHM_VOLUME = f"{OWN_PREFIX}models", f"{OWN_PREFIX}adapters", f"{OWN_PREFIX}dshm"
-OWN_MOUNTS = {MODELS_VOLUME: MODELS_DIR, ADAPTERS_VOLUME: ADAPTERS_DIR, SHM_VOLUME: SHM_DIR}
-VOLUME_CONFLICT = "VolumeConflict"
+# The pod's own volumes (loraplex.pool.refusal). Users add theirs in servers.volumes / volumeMounts:
+# names with our prefix and mount paths over or under ours are refused there (spec_failure), never
+# merged into a pod the API server would reject.
 
 
 @dataclass(frozen=True)
@@ -48,22 +48,6 @@ class PoolRef:
     name: str
     namespace: str
     uid: str
-
-
-def _nested(a: str, b: str) -> bool:
-    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
-    return a.startswith(b) or b.startswith(a)
-
-
-def volume_conflicts(spec: AdapterPoolSpec) -> str:
-    """Why the user's volumes cannot join the pod ('' when they can)."""
-    problems = [f"volume {v.get('name')!r} uses the reserved prefix {OWN_PREFIX!r}" for v in spec.servers.volumes
-                if str(v.get("name", "")).startswith(OWN_PREFIX)]
-    for mount in spec.servers.volume_mounts:
-        path = str(mount.get("mountPath", ""))
-        problems += [f"volumeMount {mount.get('name')!r} at {path!r} overlaps the agent's {own!r}"
-                     for own in [*OWN_MOUNTS.values(), PLUGIN_DIR] if path and _nested(path, own)]
-    return "; ".join(problems)
 
 
 def _metadata(pool: PoolRef, name: str) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from loraplex.engine.policy_check import engine_error
 from loraplex.placement.snapshot import PlacementError
+from loraplex.pool import MAX_SERVER_LOAD, replica_bounds, spec_failure
 from loraplex.routing import (
     DEFAULT_WINDOWS,
     AdapterRecord,
@@ -42,18 +42,14 @@ from loraplex_operator.adapter_status import (
 from loraplex_operator.deps import Deps
 from loraplex_operator.kube import KubeError, ObjectRef
 from loraplex_operator.pool_objects import (
-    VOLUME_CONFLICT,
     PoolRef,
     build_statefulset,
     config_hash,
     pool_objects,
-    volume_conflicts,
 )
-from loraplex_operator.pool_policy import MAX_SERVER_LOAD
 from loraplex_operator.pool_routes import PoolRoutes, Synced
 from loraplex_operator.pool_sizing import INVALID_SIZING, Sizing, planner_sizing, size_with_planner
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
-from loraplex_operator.replica_bounds import replica_bounds
 from loraplex_operator.scaling import ScaleDecision, decide_replicas, short_of_capacity, with_shortfall
 from loraplex_operator.status_writes import StatusWrite, write_statuses
 
@@ -90,30 +86,12 @@ def _pool_ref(ref: ObjectRef) -> PoolRef:
     return PoolRef(ref.name, ref.namespace, ref.uid)
 
 
-INVALID_ENGINE = "InvalidEngine"
-INVALID_ROUTING = "InvalidRouting"
-
-
 class InvalidPool(Exception):
     """The pool's objects cannot be made as the spec is written (or the API server refused them)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason, self.message = reason, message
-
-
-def spec_failure(spec: AdapterPoolSpec) -> tuple[str, str]:
-    """(reason, message) when the spec cannot be served as written; ("", "") when it can."""
-    conflicts = volume_conflicts(spec)
-    if conflicts:
-        return VOLUME_CONFLICT, conflicts
-    error = engine_error(spec.engine)  # the agents would refuse it at start-up, one crash loop per pod
-    if error:
-        return INVALID_ENGINE, f"engine: {error}"
-    error = routing_error(pool_routing(spec))  # the router's own check: it would refuse the choice
-    if error:
-        return INVALID_ROUTING, f"routing: {error}"
-    return "", ""
 
 
 def _route_as_specified(routes: PoolRoutes, spec: AdapterPoolSpec, synced: Synced) -> Synced:

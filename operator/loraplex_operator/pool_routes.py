@@ -12,11 +12,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from loraplex.placement.controller import ControllerReport, PlacementController
+from loraplex.pool.bounds import ReplicaBounds
 from loraplex.routing import AdapterRecord, RoutingStore, RoutingTable, ServerRecord, StaleVersionError
 from loraplex.routing.choice import RoutingChoice
 from loraplex.util.clock import Clock
 from loraplex_operator.coalesce import Coalescer
-from loraplex_operator.replica_bounds import ReplicaBounds
 from loraplex_operator.table_edits import route_records, sync_with_registry
 
 ControllerKey = tuple[str, bool, float]  # policy, GPU servers, hysteresis

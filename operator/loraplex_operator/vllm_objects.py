@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from loraplex.backends.vllm import VllmLaunch, plugin_sources, vllm_argv, vllm_env
+from loraplex.pool.refusal import PLUGIN_DIR
 from loraplex.spec.crd import AdapterPoolSpec
 from loraplex_operator import names
 
-PLUGIN_DIR = "/opt/loraplex/vllm-plugin"
 PLUGIN_VOLUME = "loraplex-vllm-plugin"
 VLLM_HOME = "/tmp/vllm-home"  # the image's HOME may not be writable for the pod's non-root user
 AGENT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}  # the agent beside vLLM serves no model

@@ -1,37 +1,21 @@
-"""The router's subcommands: `loraplex router` and `loraplex up`.
-Arguments are declared here; each command imports its module only when it runs."""
+"""The router's subcommand, `loraplex router`. Arguments are declared here; the command imports its
+module only when it runs (`loraplex up`, which checks --router-arg with them, lives in local/)."""
 
 from __future__ import annotations
 
 import argparse
 
 from loraplex.cli import CommandRegistry, run_module
-from loraplex.util.args import existing_dir, existing_file
+from loraplex.routing.flags import add_routing_args
+from loraplex.util.args import existing_file
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 def register(registry: CommandRegistry) -> None:
     registry.add("router", "Run the router: an OpenAI-compatible endpoint in front of a pool of agents",
-                 add_router_args, run_module("loraplex_router.main"))
-    registry.add("up", "Run the whole system on this machine: Redis, N agents on the tiny model, the "
-                 "placement controller and the router; applies AdapterPool/LoRADeployment YAML",
-                 _up_args, run_module("loraplex_router.local_stack"))
-
-
-def add_routing_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", default="loraserve", help="routing profile: loraserve (φ-weighted random), "
-                   "load-aware (φ + queue depth + residency), least-loaded (shortest queue), rank-aware "
-                   "(Toppings: the least extra per-token latency, SLO filter), prefix-aware or prefix-rank-aware "
-                   "(first the servers holding the request's longest cached prefix, under a load ceiling). An AdapterPool's spec.routing, "
-                   "which the routing table carries, replaces this and the three flags below while it is set; "
-                   "docs/router.md")
-    p.add_argument("--routing-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a knob of the rank-aware or prefix profiles (repeatable), e.g. slo_tpot_s=0.05, "
-                        "latency_profile=whatif-h100-llama8b or load_slack=4")
-    p.add_argument("--scorers", default=None, metavar="NAME=W,...",
-                   help="override the profile's scorer weights, e.g. phi=1,queue=1,residency=0.5")
-    p.add_argument("--picker", default=None, help="override the profile's picker: weighted-random or max-score")
+                 add_router_args, run_module("loraplex_router.main"),
+                 check=run_module("loraplex_router.main", "settings_from_args"))
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -74,38 +58,3 @@ def _outlier_args(p: argparse.ArgumentParser) -> None:
                    "ejected for a late heartbeat is back as soon as it heartbeats again")
     p.add_argument("--max-ejected-fraction", type=float, default=0.5, metavar="F",
                    help="at most this fraction of the live servers is ejected at once (at least one, never all)")
-
-
-def _up_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agents", type=int, default=3, help="number of agents")
-    p.add_argument("-f", "--file", dest="manifests", type=existing_dir, default=None, metavar="DIR",
-                   help="folder of AdapterPool / LoRADeployment YAML, watched for changes; default: one "
-                   "deployment per adapter of the model folder (the tiny model's 4)")
-    p.add_argument("--model", type=existing_dir, default=None, help="base model folder; default: the tiny model in "
-                   "./models/tiny (made with `loraplex make-tiny-model` if missing)")
-    p.add_argument("--pool", default=None, help="pool name; default: the AdapterPool in -f, else 'local'")
-    p.add_argument("--port", type=int, default=8080, help="router port")
-    p.add_argument("--agent-base-port", type=int, default=8100, help="agents listen on this port and up")
-    p.add_argument("--redis-port", type=int, default=6390)
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
-    p.add_argument("--placement", default=None, help="placement policy; default: the AdapterPool's, "
-                   "else loraserve")
-    p.add_argument("--placement-interval", type=float, default=None, help="seconds between placements")
-    p.add_argument("--heartbeat-ttl", type=float, default=6.0)
-    p.add_argument("--workdir", default=".loraplex", help="logs and fetched adapters go here")
-    p.add_argument("--agent-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for every agent (repeatable), any `loraplex agent` flag but those the stack "
-                        "sets itself (--port, --model, --redis-url, --pool...), e.g. --agent-arg=--num-blocks=64")
-    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for the router (repeatable), any `loraplex router` flag, e.g. "
-                        "--router-arg=--ttfb-deadline=30 or --router-arg=--api-keys=keys.yaml")
-    p.add_argument("--backend", choices=["loraplex", "vllm"], default=None,
-                   help="the agents' engine: ours, or an unmodified vLLM server beside each agent (default: the "
-                        "AdapterPool's engine.backend, else loraplex); docs/vllm.md")
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="extra flag for every vLLM server (repeatable), e.g. --vllm-arg=--enforce-eager")
-    p.add_argument("--vllm-python", default=None,
-                   help="interpreter with vllm installed (default: env LORAPLEX_VLLM_PYTHON, else ./.venv-vllm)")
-    add_routing_args(p)
-
-

@@ -17,10 +17,8 @@ from loraplex.routing.pipeline import Profile, parse_weights
 from loraplex.routing.rank_aware import parse_options
 from loraplex.spec.errors import CommandError, LoraplexError
 from loraplex.startup import listen_socket, open_store
-from loraplex.util.args import RefusingParser, check_values
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing, load_keys
-from loraplex_router.cli import add_router_args
 
 
 def profile_from_args(args: argparse.Namespace) -> Profile:
@@ -49,20 +47,6 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           connect_timeout_s=args.connect_timeout,
                           max_attempts=args.max_attempts, max_request_bytes=args.max_request_bytes,
                           ttfb_deadline_s=args.ttfb_deadline, outliers=outliers_from_args(args))
-
-
-def check_router_args(argv: list[str]) -> None:
-    """Raises CommandError (one line) for arguments `loraplex router` would refuse, so that `loraplex up`
-    refuses them before it starts anything. No abbreviations and no -h: `--por=9000` must not slip past
-    the flags the stack owns, nor a help page end `loraplex up`."""
-    parser = RefusingParser(prog="loraplex router")
-    add_router_args(parser)
-    check_values(parser)
-    try:
-        args = parser.parse_args(argv)
-    except ValueError as exc:
-        raise CommandError(f"router arguments: {exc}") from None
-    settings_from_args(args)
 
 
 def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:

@@ -8,7 +8,7 @@ import json
 import pytest
 from loraplex_bench.prefix_routing import workload_spec
 from loraplex_bench.prefix_routing_engine import VLLM_BLOCK_SIZE, write_manifests
-from loraplex_router.local_stack import LocalStack, StackConfig
+from loraplex_local.stack import LocalStack, StackConfig
 
 from loraplex.cli import build_registry, main
 from loraplex.sim.sessions import make_sessions

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from loraplex_router.local_stack import LocalStack, StackConfig, agent_args_from
+from loraplex_local.flags import agent_args_from
+from loraplex_local.stack import LocalStack, StackConfig
 
 from loraplex.ports import in_use
 
@@ -78,20 +79,6 @@ def test_good_agent_args_pass_the_check_verbatim():
 def test_the_operator_without_a_cluster_is_one_line(tmp_path):
     env = {"KUBECONFIG": str(tmp_path / "none"), "HOME": str(tmp_path), "KUBERNETES_SERVICE_HOST": ""}
     one_line(loraplex("operator", "--standalone", env=env), "no Kubernetes credentials")
-
-
-def test_the_stack_knows_when_nothing_it_started_serves(tmp_path):
-    class Exited:
-        alive = False
-
-    class Running:
-        alive = True
-
-    stack = LocalStack(StackConfig(workdir=tmp_path))
-    stack.router, stack.agents = Exited(), {"a": Exited(), "b": Running()}
-    assert not stack.serving_children_dead()
-    stack.agents["b"] = Exited()
-    assert stack.serving_children_dead()
 
 
 def test_each_run_logs_in_a_folder_of_its_own(tmp_path):

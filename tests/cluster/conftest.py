@@ -17,7 +17,7 @@ REPLICATED = "ad19"  # deployed with replicas.min = 3: on every agent
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port) -> Iterator:
-    from loraplex_router.local_stack import StackConfig, running_stack
+    from loraplex_local.stack import StackConfig, running_stack
 
     from loraplex.ports import free_port_block
 

@@ -28,7 +28,7 @@ from loraplex_agent.cluster.files import (
 from loraplex_agent.cluster.limits import Budget
 from loraplex_agent.cluster.settings import ClusterSettings
 from loraplex_agent.cluster.sources import SourcePolicy, fetch_source
-from loraplex_router.threaded_server import ThreadedServer
+from threaded_server import ThreadedServer
 
 from loraplex.routing.records import AdapterRecord
 from loraplex.spec.errors import AdapterError, CommandError, InvalidRequestError

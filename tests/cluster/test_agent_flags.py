@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import yaml
+from loraplex_local.stack import LocalStack, ManifestError, StackConfig
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.pool_objects import PoolRef, agent_settings, build_statefulset
-from loraplex_router.local_stack import LocalStack, ManifestError, StackConfig
 
 from loraplex.cli import CommandRegistry
 from loraplex.spec.crd import AdapterPoolSpec, EngineSpec, VllmSpec

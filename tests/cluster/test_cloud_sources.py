@@ -24,7 +24,7 @@ import pytest
 from cloud_fakes import HubRepo, fake_hub, fake_metadata_server
 from loraplex_agent.cluster.files import ADAPTER_FILES, SizeLimitError, adapter_digest
 from loraplex_agent.cluster.sources import SourcePolicy, fetch_source
-from loraplex_router.threaded_server import ThreadedServer
+from threaded_server import ThreadedServer
 from tools import require_module
 
 from loraplex.spec.errors import AdapterError

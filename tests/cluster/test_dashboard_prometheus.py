@@ -48,7 +48,7 @@ def _stack_manifests(folder: Path, tiny_model) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port) -> Iterator[Any]:
-    from loraplex_router.local_stack import StackConfig, running_stack
+    from loraplex_local.stack import StackConfig, running_stack
 
     folder = tmp_path_factory.mktemp("dashboard-manifests")
     _stack_manifests(folder, tiny_model)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from loraplex_bench.closed_loop import ClosedLoop
-from loraplex_router.local_stack import StackConfig, running_stack
+from loraplex_local.stack import StackConfig, running_stack
 from stack_manifests import deployment_yaml, pool_yaml
 from waiting import wait_until
 

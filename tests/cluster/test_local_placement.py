@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from loraplex_router.local_stack import LocalStack, StackConfig
+from loraplex_local.stack import LocalStack, StackConfig
 
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.records import ServerRecord

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loraplex_local.manifests import ManifestError
+from loraplex_local.stack import LocalStack, StackConfig, config_from_args, running_stack
 from loraplex_router.cli import add_router_args
-from loraplex_router.local_stack import LocalStack, StackConfig, config_from_args, running_stack
-from loraplex_router.manifests import ManifestError
 from waiting import wait_until
 
 from loraplex.cli import build_registry

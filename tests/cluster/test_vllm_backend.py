@@ -24,7 +24,7 @@ import openai_load
 import pytest
 import waiting
 from addresses import outward_address
-from loraplex_router.local_stack import StackConfig, running_stack
+from loraplex_local.stack import StackConfig, running_stack
 from openai_load import OpenAILoad, client
 from stack_manifests import deployment_yaml, pool_yaml
 from vllm_env import vllm_python

@@ -13,7 +13,8 @@ import jsonschema
 import pytest
 import yaml
 from loraplex_router.cli import add_router_args
-from loraplex_router.main import check_router_args
+
+from loraplex.cli import build_registry
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "loraplex"
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's engine) is not installed")
@@ -55,7 +56,7 @@ def test_set_values_reach_the_router_and_it_takes_them() -> None:
     assert flags.max_request_bytes == 1 << 30  # an integer, not Go's 1.073741824e+09
     assert args[-2:] == ["--max-attempts=5", "--poll-interval=0.5"]  # last: they win over the chart's
     assert (flags.max_attempts, flags.poll_interval) == (5, 0.5)
-    check_router_args(args)  # `loraplex router` would start with them
+    build_registry("router").check_args("router", args)  # `loraplex router` would start with them
 
 
 # What `helm install --set router.ttfbDeadline=2.5 --set router.routingOptions.prompt_tokens=512 ...`
@@ -77,7 +78,7 @@ def test_values_set_on_the_command_line_pass_the_schema_and_reach_the_router() -
     flags = _parsed(args)
     assert (flags.ttfb_deadline, flags.ejection_time, flags.max_ejected_fraction) == (2.5, 0.5, 0.25)
     assert flags.routing_option == ["prompt_tokens=512", "slo_tpot_s=0.05"]
-    check_router_args(args)
+    build_registry("router").check_args("router", args)
 
 
 @pytest.mark.parametrize("bad", [{"maxEjectedFraction": 2}, {"maxEjectedFraction": "1.5"}, {"ejectAfter": -1},

@@ -6,8 +6,8 @@ import pytest
 import yaml
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.pool_objects import PoolRef, agent_settings, build_statefulset, pool_objects
-from loraplex_operator.pool_reconcile import INVALID_ENGINE, spec_failure
 
+from loraplex.pool import INVALID_ENGINE, spec_failure
 from loraplex.spec.crd import AdapterPoolSpec
 
 REF = PoolRef("llama", "serving", "uid-1")

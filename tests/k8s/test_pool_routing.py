@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 from loraplex_operator import handlers
-from loraplex_operator.pool_reconcile import INVALID_ROUTING, spec_failure
 from operator_world import NS, World, bump
 
+from loraplex.pool import INVALID_ROUTING, spec_failure
 from loraplex.routing.choice import RoutingChoice
 from loraplex.spec.crd import AdapterPoolSpec, parse_resource
 

@@ -4,8 +4,6 @@ the max by trimming the policy's placement, both in the one table the controller
 from __future__ import annotations
 
 import pytest
-from loraplex_operator.pool_policy import MAX_SERVER_LOAD, PoolPolicy, server_loads
-from loraplex_operator.replica_bounds import ReplicaBounds, replica_bounds
 
 from loraplex.placement import (
     DEFAULT_CPU,
@@ -17,6 +15,8 @@ from loraplex.placement import (
     make_policy,
 )
 from loraplex.placement.max_replicas import cap_placement, cap_routes
+from loraplex.pool.bounds import ReplicaBounds, replica_bounds
+from loraplex.pool.policy import MAX_SERVER_LOAD, PoolPolicy, server_loads
 from loraplex.routing import AdapterRecord, InMemoryRoutingStore, ServerRecord
 from loraplex.spec.crd import ReplicasSpec
 from loraplex.util.clock import ManualClock

@@ -16,11 +16,11 @@ from loraplex_operator.pool_objects import (
     agent_settings,
     build_statefulset,
     pool_objects,
-    volume_conflicts,
 )
 from loraplex_operator.table_edits import sync_with_registry
 
 from loraplex.backends.vllm import MIDDLEWARE, plugin_sources
+from loraplex.pool import volume_conflicts
 from loraplex.routing import AdapterRecord, RoutingTable, ServerRecord, make_entry
 from loraplex.spec.crd import DEFAULT_VLLM_IMAGE, AdapterPool, AdapterPoolSpec, LoRADeploymentSpec
 

@@ -24,8 +24,8 @@ import pytest
 from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
-from loraplex_router.threaded_server import ThreadedServer
 from processes import wait_healthy
+from threaded_server import ThreadedServer
 
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.outliers import OutlierConfig

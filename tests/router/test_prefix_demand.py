@@ -14,7 +14,7 @@ import pytest
 from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
-from loraplex_router.threaded_server import ThreadedServer
+from threaded_server import ThreadedServer
 
 from loraplex.routing.pipeline import make_profile
 from loraplex.routing.prefix import PrefixConfig, chunk_tokens

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 from loraplex_router.auth import ApiKey, KeyRing
-from loraplex_router.threaded_server import ThreadedServer
+from threaded_server import ThreadedServer
 
 
 def client_for(env, key: str = "none") -> openai.OpenAI:

@@ -19,7 +19,7 @@ ADAPTERS = ("fz0", "fz1")
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory, free_port) -> Iterator[Any]:
-    from loraplex_router.local_stack import StackConfig, running_stack
+    from loraplex_local.stack import StackConfig, running_stack
 
     folder = tmp_path_factory.mktemp("fuzz-manifests")
     (folder / "pool.yaml").write_text(

@@ -1,5 +1,5 @@
 """Small local stand-ins for the two cloud services no registry package emulates, each a real HTTP
-server on 127.0.0.1 (run with loraplex_router.threaded_server.ThreadedServer):
+server on 127.0.0.1 (run with threaded_server.ThreadedServer):
 
 - `fake_hub(repos)`: the part of the Hugging Face Hub that huggingface_hub's downloads use:
   HEAD/GET {endpoint}/{org}/{name}/resolve/{revision}/{path}, with the Hub's headers (X-Repo-Commit,

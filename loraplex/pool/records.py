@@ -1,0 +1,68 @@
+"""An adapter's registry record, written the same way by both drivers: the facts learnt from its files
+(digest, rank, size, target modules; the operator reads them over https/hf, `loraplex up` from the
+folder), checked against what the LoRADeployment declares, joined with the pool's base model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.routing.records import AdapterRecord, RecordError
+from loraplex.spec.crd import AdapterPoolSpec, AdapterSource, LoRADeploymentSpec
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    digest: str  # "sha256:<hex>"
+    rank: int
+    size_bytes: int
+    target_modules: tuple[str, ...] = ()
+
+
+class AdapterFactsError(ValueError):
+    """`reason` is the CamelCase status reason the operator writes; the message says what is wrong."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+def declared_facts(adapter: AdapterSource) -> AdapterFacts | None:
+    """The facts a LoRADeployment declares whole (sha256 and rank): nothing to read."""
+    if adapter.sha256 and adapter.rank:
+        return AdapterFacts(f"sha256:{adapter.sha256}", adapter.rank, 0)
+    return None
+
+
+def config_facts(config: object) -> tuple[int, tuple[str, ...]]:
+    """(rank, target modules) of a parsed adapter_config.json."""
+    if not isinstance(config, dict):
+        raise AdapterFactsError("InvalidAdapter", f"{CONFIG_FILE} is not a JSON object")
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterFactsError("InvalidAdapter", f"{CONFIG_FILE} has no positive integer rank 'r': {rank!r}")
+    modules = config.get("target_modules") or ()
+    return rank, tuple(modules) if isinstance(modules, list) else ()
+
+
+def check_declared(adapter: AdapterSource, rank: int, digest: str | None = None) -> None:
+    """AdapterFactsError when the files contradict the declared rank or sha256."""
+    if adapter.rank is not None and adapter.rank != rank:
+        raise AdapterFactsError("RankMismatch", f"spec.adapter.rank is {adapter.rank} but the adapter has r={rank}")
+    if digest is not None and adapter.sha256 and digest != f"sha256:{adapter.sha256}":
+        raise AdapterFactsError("DigestMismatch", f"weights digest is {digest}, spec.adapter.sha256 says "
+                                f"sha256:{adapter.sha256}")
+
+
+def adapter_record(name: str, facts: AdapterFacts, spec: LoRADeploymentSpec, pool: AdapterPoolSpec | None,
+                   source: str | None = None) -> AdapterRecord:
+    """The validated record of LoRADeployment `name` (`source`: the spec's, resolved by the driver).
+    Without an AdapterPool (`loraplex up` with no -f) the base model is left unnamed."""
+    try:
+        return AdapterRecord(name, facts.digest, facts.rank, facts.size_bytes, source or spec.adapter.source,
+                             facts.target_modules, pool.base_model.name if pool else "",
+                             spec.traffic.expected_tokens_per_second).validate()
+    except RecordError as exc:
+        raise AdapterFactsError("InvalidAdapter", str(exc)) from exc
