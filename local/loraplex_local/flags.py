@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplex.cli import build_registry
-from loraplex.placement.policy import make_policy
+from loraplex.placement.policy import POLICY_NAMES
 from loraplex.spec.errors import CommandError
 
 # Router flags the stack sets itself: it connects the router to its Redis and pool, and waits on its port.
@@ -98,11 +97,9 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     manifests = Path(args.manifests) if args.manifests else None
     if manifests is not None and not manifests.is_dir():
         raise CommandError(f"-f {args.manifests}: not a folder")
-    if args.placement is not None:
-        try:
-            make_policy(args.placement, random.Random(0))
-        except ValueError as exc:
-            raise CommandError(f"--placement: {exc}") from None
+    if args.placement is not None and args.placement not in POLICY_NAMES:
+        raise CommandError(f"--placement: unknown placement policy {args.placement!r}; choose one of "
+                           f"{', '.join(POLICY_NAMES)}")
     if args.placement_interval is not None and not args.placement_interval > 0:
         raise CommandError("--placement-interval must be positive")
     if not args.heartbeat_ttl > 0:
