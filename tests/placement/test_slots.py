@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from loraplex.placement import (
     DEFAULT_CPU,
-    MaxReplicasPolicy,
     PlacementAdapter,
     PlacementInput,
     PlacementServer,
@@ -19,6 +18,7 @@ from loraplex.placement import (
     make_policy,
 )
 from loraplex.placement.controller import build_input
+from loraplex.pool import PoolPolicy
 from loraplex.routing.demand import DemandWindows
 from loraplex.routing.records import AdapterRecord, ServerRecord
 
@@ -63,7 +63,7 @@ def test_replicas_leave_before_single_copies_move():
 def test_what_no_server_has_a_slot_for_is_unplaceable():
     servers = [PlacementServer("s0", 64, max_adapters=2), PlacementServer("s1", 16, max_adapters=5)]
     inp = PlacementInput(servers, adapters(4, rank=32), DEFAULT_CPU)  # only s0 holds rank 32
-    placement = MaxReplicasPolicy(make_policy("loraserve"), dict).place(inp)
+    placement = PoolPolicy(make_policy("loraserve"), dict).place(inp)
     assert len(placement.weights) == 2 and len(placement.unplaceable) == 2
     assert set(placement.unplaceable) == {"a00", "a01"}  # the coldest leave first
     table = placement.to_table(1, 0.0, inp.adapters)
@@ -89,7 +89,7 @@ def test_no_server_holds_more_than_its_slots(num_servers, num_adapters, data):
                              data.draw(st.floats(0, 500)), min_replicas=data.draw(st.integers(1, 3)))
             for i in range(num_adapters)]
     inp = PlacementInput(servers, pool, DEFAULT_CPU)
-    placement = MaxReplicasPolicy(make_policy(policy_name, random.Random(0)), dict).place(inp)
+    placement = PoolPolicy(make_policy(policy_name, random.Random(0)), dict).place(inp)
     limits = {s.id: s.max_adapters for s in servers}
     for server, names in held(placement.weights).items():
         assert not limits[server] or len(names) <= limits[server]
