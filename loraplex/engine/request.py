@@ -98,6 +98,3 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens

@@ -10,25 +10,8 @@ An engine may offer, besides `adapters`, `add_adapter` and `remove_adapter`:
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Protocol
-
 from loraplex.engine.request import RequestStatus
 from loraplex.routing.records import ServerBatch, ServerLoad
-from loraplex.spec.adapter import AdapterInfo
-
-
-class LoadedAdapter(Protocol):
-    info: AdapterInfo
-    path: str
-
-
-class ServingEngine(Protocol):
-    adapters: dict[str, LoadedAdapter]  # in host memory, by name
-
-    async def add_adapter(self, name: str, path: str | Path) -> AdapterInfo: ...
-
-    async def remove_adapter(self, name: str) -> AdapterInfo: ...
 
 
 def engine_report(engine) -> tuple[ServerLoad, tuple[str, ...], ServerBatch | None]:

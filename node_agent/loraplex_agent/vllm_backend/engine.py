@@ -105,7 +105,7 @@ def read_adapter_info(name: str, folder: str | Path) -> AdapterInfo:
 
 @dataclass
 class VllmAdapter:
-    """An adapter this agent loaded into the vLLM server (engine_view.LoadedAdapter)."""
+    """An adapter this agent loaded into the vLLM server (its `info` and `path`, as the AsyncEngine's)."""
 
     info: AdapterInfo
     path: str
