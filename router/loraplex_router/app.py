@@ -83,7 +83,7 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
         try:
             key = settings.keys.authenticate(request.headers.get("authorization"))
             raw = await _read_body(request, settings.max_request_bytes)
-            body = _parse_body(raw)
+            body = _parse_body(raw, request.headers.get("content-type", ""))
             model = body["model"]
             snapshot = _ready(cache.snapshot)
             adapter = _resolve(snapshot, model)
@@ -154,15 +154,33 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def _parse_body(raw: bytes) -> dict:
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+               dict: "an object"}
+
+
+def _parse_body(raw: bytes, content_type: str) -> dict:
+    """The request as JSON, refused (400) as the agents refuse it: a body not sent as JSON, not an
+    object, without a string `model`, or with a `stream` that is not a boolean (it decides how the
+    answer comes back, so the router reads it)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise InvalidRequestError("the request body must be JSON sent with Content-Type: application/json, "
+                                  f"not {media or 'no Content-Type'}")
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
-    if not isinstance(body.get("model"), str) or not body["model"]:
+    model = body.get("model")
+    if model is None or model == "":
         raise InvalidRequestError("'model' is required: an adapter name or the base model", param="model")
+    if not isinstance(model, str):
+        raise InvalidRequestError(f"'model' must be a string (an adapter name or the base model), not "
+                                  f"{_JSON_TYPES.get(type(model), 'null')}", param="model")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise InvalidRequestError(f"'stream' must be a boolean, not {_JSON_TYPES.get(type(body['stream']))}",
+                                  param="stream")
     return body
 
 

@@ -59,5 +59,6 @@ def test_a_body_at_the_limit_is_forwarded(make_router_env):
     env = make_router_env()
     prefix, suffix = b'{"model": "a", "max_tokens": 1, "prompt": "', b'"}'
     body = prefix + b"x" * (DEFAULT_MAX_REQUEST_BYTES - len(prefix) - len(suffix)) + suffix
-    response = httpx.post(env.router.url + "/v1/completions", content=body, timeout=60)
+    response = httpx.post(env.router.url + "/v1/completions", content=body, timeout=60,
+                          headers={"content-type": "application/json"})
     assert response.status_code == 200 and served(env) == 1

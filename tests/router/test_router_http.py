@@ -80,7 +80,8 @@ def test_unknown_model_is_404_and_bad_requests_are_400(router_env):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="x", max_tokens=1)
     assert err.value.body["code"] == "model_not_found"
-    r = httpx.post(router_env.router.url + "/v1/completions", content=b"{not json")
+    r = httpx.post(router_env.router.url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(router_env.router.url + "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
