@@ -32,7 +32,7 @@ from loraplex.pool.records import (
 from loraplex.routing.choice import pool_routing, routing_error
 from loraplex.routing.records import AdapterRecord
 from loraplex.spec.crd import AdapterPool, AdapterPoolSpec, LoRADeployment, parse_resource
-from loraplex.spec.errors import one_line
+from loraplex.spec.errors import one_line, validation_line
 
 log = logging.getLogger("loraplex.up")
 
@@ -166,7 +166,7 @@ def parse_or_explain(obj: object, path: Path) -> AdapterPool | LoRADeployment:
     try:
         return parse_resource(obj)
     except ValidationError as exc:
-        raise ManifestError(f"{path}: {_what(obj)}: {_first_error(exc)}") from None
+        raise ManifestError(f"{path}: {_what(obj)}: {validation_line(exc)}") from None
     except ValueError as exc:
         raise ManifestError(f"{path}: {exc}") from None
 
@@ -174,15 +174,6 @@ def parse_or_explain(obj: object, path: Path) -> AdapterPool | LoRADeployment:
 def _what(obj: dict) -> str:
     name = (obj.get("metadata") or {}).get("name") if isinstance(obj.get("metadata"), dict) else None
     return f"{obj.get('kind')} {name!r}" if name else str(obj.get("kind"))
-
-
-def _first_error(exc: ValidationError) -> str:
-    """pydantic's block as one line: the field's path, what is wrong, and how many more there are."""
-    errors = exc.errors()
-    first = errors[0]
-    where = ".".join(str(part) for part in first["loc"]) or "the document"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{where}: {first['msg']}{more}"
 
 
 def _documents(path: Path) -> list[object]:

@@ -27,7 +27,10 @@ def read_mapping(path: str, flag: str) -> dict:
 
 
 def _load_spec(args: argparse.Namespace):
+    from pydantic import ValidationError
+
     from loraplex.sim.workload import WorkloadSpec
+    from loraplex.spec.errors import one_line, validation_line
 
     doc: dict = {}
     if args.spec:
@@ -40,8 +43,10 @@ def _load_spec(args: argparse.Namespace):
         doc.setdefault("adapters", {})["count"] = args.adapters
     try:
         return WorkloadSpec.model_validate(doc)
+    except ValidationError as exc:
+        raise CommandError(f"invalid workload: {validation_line(exc)}") from None
     except ValueError as exc:
-        raise CommandError(f"invalid workload: {exc}") from None
+        raise CommandError(f"invalid workload: {one_line(exc)}") from None
 
 
 def workload_args(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ The CRD model (`EngineSpec`), the agent's arguments, the flag translator both th
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,12 +50,31 @@ class EngineSetting:
 
     def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup, **overrides: Any) -> None:
         """The flag; a command whose default or help differs (a benchmark's own) says so in `overrides`."""
-        options: dict[str, Any] = {"type": self.type, "default": self.default, "help": self.help}
+        bounds = {k: v for k, v in self.constraints.items() if k in ("ge", "le", "gt")}
+        kind = bounded(self.type, **bounds) if bounds else self.type  # the CRD's bounds, on the flag too
+        options: dict[str, Any] = {"type": kind, "default": self.default, "help": self.help}
         if self.choices:
             options["choices"] = list(self.choices)
         if self.metavar:
             options["metavar"] = self.metavar
         parser.add_argument(self.flag, **(options | overrides))
+
+
+def bounded(kind: type, ge: float | None = None, le: float | None = None,
+            gt: float | None = None) -> Callable[[str], int | float]:
+    """A flag's type: a finite number within the bounds the setting declares for its CRD field, so the
+    flag refuses what the AdapterPool refuses (`loraplex agent --max-lora-rank 0`)."""
+    def convert(text: str) -> int | float:
+        value = kind(text)
+        if (not math.isfinite(value) or (ge is not None and value < ge) or (le is not None and value > le)
+                or (gt is not None and value <= gt)):
+            raise ValueError(text)
+        return value
+
+    parts = [f">= {ge}" if ge is not None else "", f"> {gt}" if gt is not None else "",
+             f"<= {le}" if le is not None else ""]
+    convert.__name__ = f"{kind.__name__} ({', '.join(p for p in parts if p)})"  # "invalid int (>= 1) value"
+    return convert
 
 
 def _int(name: str, default: int | None, help: str, description: str | None = None, **constraints: Any) -> EngineSetting:

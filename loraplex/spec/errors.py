@@ -3,6 +3,11 @@ the edge, and `CommandError`, the one a `loraplex` command prints."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pydantic is not imported for `loraplex --help`
+    from pydantic import ValidationError
+
 
 class LoraplexError(Exception):
     """Base class. `status` and `type` give the OpenAI error shape; `param` names the bad field."""
@@ -69,3 +74,12 @@ def one_line(exc: BaseException) -> str:
     if mark is not None and problem:  # yaml.MarkedYAMLError
         return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def validation_line(exc: ValidationError) -> str:
+    """pydantic's error block as one line: the first field's path, what is wrong, and how many more."""
+    errors = exc.errors()
+    first = errors[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the document"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first['msg']}{more}"

@@ -38,7 +38,8 @@ def existing_file(text: str) -> str:
     """A path flag's value that must name a readable file (checked at parse time: the flag is named)."""
     path = Path(text)
     if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{text}: {'is a folder' if path.is_dir() else 'no such file'}")
+        why = "is a folder" if path.is_dir() else "not a regular file" if path.exists() else "no such file"
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
     return text
 
 

@@ -60,7 +60,7 @@ def test_bad_flags_of_up_are_refused_at_once(tmp_path, args, fragment):
 @pytest.mark.parametrize(("args", "fragment"), [
     (["--agent-arg=--bogus"], "agent arguments: unrecognized arguments: --bogus"),
     (["--agent-arg", "--bogus"], "argument --agent-arg"),  # argparse takes --bogus for a flag of `up`
-    (["--agent-arg=--max-num-seqs=-1"], "argument --max-num-seqs: invalid non-negative int value"),
+    (["--agent-arg=--max-num-seqs=-1"], "argument --max-num-seqs: invalid int (>= 1) value"),
     (["--agent-arg=--max-num-se=4"], "unrecognized arguments: --max-num-se=4"),  # no abbreviations
     (["--agent-arg=-h"], "unrecognized arguments: -h"),
     (["--agent-arg=--port=9000"], "--agent-arg=--port=9000: `loraplex up` sets it itself"),
