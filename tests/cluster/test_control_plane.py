@@ -5,15 +5,14 @@ the same controller with the same replica bounds."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from hub_files import hub_files
 from loraplex_local.manifests import ManifestError
 from loraplex_local.stack import LocalStack, StackConfig
 from loraplex_operator.kube import ObjectRef
@@ -43,30 +42,13 @@ def write(folder: Path, kind: str, name: str, spec: dict[str, Any]) -> None:
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(doc))
 
 
-class HubFiles(http.server.BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = self.files.get(self.path)
-        self.send_response(200 if body is not None else 404)
-        self.end_headers()
-        self.wfile.write(body or b"")
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def hub(tiny_model) -> Iterator[tuple[str, Path]]:
     """(the Hub endpoint serving adapter `sql` as hf://sql, the same adapter's folder)."""
     folder = next(iter(tiny_model.adapters.values()))
-    HubFiles.files = {f"/sql/resolve/main/{f}": (folder / f).read_bytes()
-                      for f in ("adapter_config.json", "adapter_model.safetensors")}
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubFiles)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", folder
-    server.shutdown()
-    server.server_close()
+    with hub_files({f"/sql/resolve/main/{f}": (folder / f).read_bytes()
+                    for f in ("adapter_config.json", "adapter_model.safetensors")}) as url:
+        yield url, folder
 
 
 @pytest.mark.parametrize(("changes", "reason"), [

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from processes import terminate
 from stack_manifests import deployment_yaml, pool_yaml
 from waiting import wait_for, wait_until
 
@@ -74,14 +75,6 @@ def start_up(tiny_model, tmp_path: Path) -> Up:
     return up
 
 
-def stop_up(up: Up) -> None:
-    if up.process.poll() is None:
-        up.process.send_signal(signal.SIGTERM)
-        try:
-            up.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.process.kill()
-            up.process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +83,7 @@ def up(tiny_model, tmp_path_factory) -> Iterator[Up]:
     try:
         yield running
     finally:
-        stop_up(running)
+        terminate(running.process, 60)
 
 
 def ready(port: int, path: str) -> bool:
@@ -166,7 +159,7 @@ def test_3_kill_9_of_up_leaves_nothing_behind(tiny_model, tmp_path: Path) -> Non
         wait_for("every child of up gone", lambda: not any(_alive(pid) for pid in children.values()), 30)
         assert not any(in_use(port) for port in children)  # the next `up` on these ports starts
     finally:
-        stop_up(up)
+        terminate(up.process, 60)
         for pid in children.values():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -6,49 +6,29 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
+from hub_files import hub_files
 from loraplex_operator import handlers
 from operator_world import NS, World
 
 from loraplex.routing import InMemoryRoutingStore
 
 
-class AdapterFiles(http.server.BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        body = self.files.get(self.path)
-        self.send_response(200 if body is not None else 404)
-        self.end_headers()
-        self.wfile.write(body or b"")
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def adapter_server() -> Iterator[str]:
     weights = b"\x00" * 4096
-    # Paths as the Hub lays them out: /<repo>/resolve/<revision>/<file>.
-    AdapterFiles.files = {
+    with hub_files({
         "/sql/resolve/main/adapter_config.json": json.dumps({"r": 16, "target_modules": ["q_proj"]}).encode(),
         "/sql/resolve/main/adapter_model.safetensors": weights,
         "/big/resolve/main/adapter_config.json": json.dumps({"r": 128}).encode(),
-        "/big/resolve/main/adapter_model.safetensors": weights}
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AdapterFiles)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+        "/big/resolve/main/adapter_model.safetensors": weights}) as url:
+        yield url
 
 
 POOL_SPEC = {"baseModel": {"name": "tiny", "source": "file:///models/tiny"},

@@ -24,7 +24,7 @@ import pytest
 from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
-from processes import wait_healthy
+from processes import terminate, wait_healthy
 from threaded_server import ThreadedServer
 
 from loraplex.routing.memory_store import InMemoryRoutingStore
@@ -76,12 +76,7 @@ class Agent:
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGCONT)
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process)
 
 
 @pytest.fixture(scope="module")

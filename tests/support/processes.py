@@ -1,4 +1,4 @@
-"""Waiting for a server the test started as a subprocess."""
+"""Waiting for a server the test started as a subprocess, and stopping it."""
 
 from __future__ import annotations
 
@@ -24,3 +24,15 @@ def wait_healthy(url: str, process: subprocess.Popen, log: Path | None = None, t
 
 def _tail(log: Path | None) -> str:
     return log.read_text()[-4000:] if log is not None and log.exists() else ""
+
+
+def terminate(process: subprocess.Popen, timeout_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; returns once it has exited."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
