@@ -30,10 +30,12 @@ from loraplex.engine.memory.stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduling.stats import SchedulerStats
+from loraplex.routing.records import ServerBatch, ServerLoad
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError
 from loraplex_agent.adapters import load_peft_adapter
 from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
+from loraplex_agent.cluster.engine_view import open_batch
 from loraplex_agent.host_adapter import HostAdapter
 
 if TYPE_CHECKING:
@@ -141,6 +143,32 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
+
+    # ---- the cluster's view (loraplex_agent.cluster.engine_view.ClusterEngine) ---------------
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.core.config.block_size
+
+    def cluster_report(self) -> tuple[ServerLoad, tuple[str, ...], ServerBatch | None]:
+        """(load, GPU-resident adapters, open requests by rank) from the last step snapshot. Runs on the
+        event loop while the engine thread steps: the request table is copied in one C-level call
+        (atomic under the GIL) and a request's counters are plain ints, so the batch is at worst one
+        step old. Ranks come from the loop's own view of the loaded adapters."""
+        snap = self._snapshot
+        stats = snap.stats
+        load = ServerLoad(running=stats.num_running, waiting=stats.num_waiting, kv_usage=round(stats.kv_usage, 4))
+        try:
+            requests = [stream.request for stream in list(self._streams.values())]
+        except RuntimeError:  # resized while copied (free-threaded Python): no batch this time
+            return load, tuple(snap.resident_adapters), None
+        ranks = {name: loaded.info.rank for name, loaded in self.adapters.items()}
+        return load, tuple(snap.resident_adapters), open_batch(requests, ranks)
+
+    def busy_adapters(self) -> frozenset[str]:
+        """None beyond what the member pins itself (the adapters it routes): this engine's
+        `remove_adapter` lets an adapter's running requests finish before it goes."""
+        return frozenset()
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -8,10 +8,9 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from loraplex_agent.cluster.engine_view import engine_batch
+from loraplex_agent.cluster.engine_view import open_batch
 from loraplex_router.snapshot import Snapshot
 
 from loraplex.engine.output.sampling import SamplingParams
@@ -257,18 +256,14 @@ def test_the_agent_reports_its_open_requests_by_rank():
         r.output_token_ids.extend([1] * outputs)
         return r
 
-    streams = {r.request_id: SimpleNamespace(request=r) for r in (
-        request("1", "sql", RequestStatus.RUNNING, 100, 103, 4),
-        request("2", "sql", RequestStatus.WAITING, 50, 0),
-        request("3", "chat", RequestStatus.RUNNING, 20, 10),
-        request("4", None, RequestStatus.RUNNING, 10, 10, 1),
-        request("5", "chat", RequestStatus.FINISHED, 10, 10, 8))}
-    adapters = {"sql": SimpleNamespace(info=SimpleNamespace(rank=16)),
-                "chat": SimpleNamespace(info=SimpleNamespace(rank=64))}
-    batch = engine_batch(SimpleNamespace(_streams=streams, adapters=adapters))
+    requests = [request("1", "sql", RequestStatus.RUNNING, 100, 103, 4),
+                request("2", "sql", RequestStatus.WAITING, 50, 0),
+                request("3", "chat", RequestStatus.RUNNING, 20, 10),
+                request("4", None, RequestStatus.RUNNING, 10, 10, 1),
+                request("5", "chat", RequestStatus.FINISHED, 10, 10, 8)]
+    batch = open_batch(requests, {"sql": 16, "chat": 64})
     assert batch.ranks == (RankLoad(0, 1, 0), RankLoad(16, 2, 50), RankLoad(64, 1, 10))
     assert batch.adapters == ("chat", "sql") and batch.context_tokens == 104 + 50 + 20 + 11
-    assert engine_batch(SimpleNamespace(adapters={})) is None  # an engine that does not expose its requests
 
 
 def test_every_routing_profile_can_be_chosen_in_the_helm_chart():

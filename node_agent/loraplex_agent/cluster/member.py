@@ -25,7 +25,7 @@ from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex.routing.table import RoutingTable
 from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
-from loraplex_agent.cluster.engine_view import busy_adapters, engine_block_size, engine_report
+from loraplex_agent.cluster.engine_view import ClusterEngine
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.settings import ClusterSettings
 
@@ -33,7 +33,7 @@ log = logging.getLogger("loraplex.agent.cluster")
 
 
 class ClusterMember:
-    def __init__(self, settings: ClusterSettings, store: RoutingStore, engine, fetcher: AdapterFetcher,
+    def __init__(self, settings: ClusterSettings, store: RoutingStore, engine: ClusterEngine, fetcher: AdapterFetcher,
                  max_rank: int, base_model: str, *, backend: str = "loraplex", serving_url: str | None = None,
                  max_adapters: int = 0) -> None:
         """`serving_url`: where the router sends requests when it is not this agent (backend vllm: the
@@ -81,7 +81,7 @@ class ClusterMember:
     # ---- heartbeat --------------------------------------------------------------------------
 
     def record(self) -> ServerRecord:
-        load, gpu, batch = engine_report(self.engine)
+        load, gpu, batch = self.engine.cluster_report()
         url, agent_url = self.settings.advertise_url, ""
         if self.serving_url and self.serving_url != url:
             url, agent_url = self.serving_url, self.settings.advertise_url
@@ -89,19 +89,19 @@ class ClusterMember:
                             base_model=self.base_model, capabilities=("peer-fetch",), load=load,
                             gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
                             heartbeat_at=time.time(), batch=batch, backend=self.backend, agent_url=agent_url,
-                            max_adapters=self.max_adapters, block_size=engine_block_size(self.engine))
+                            max_adapters=self.max_adapters, block_size=self.engine.kv_block_size)
 
     async def _heartbeat(self) -> None:
         """Register (renew the TTL) while the engine is healthy; leave the registry while it is not."""
         try:
-            if getattr(self.engine, "healthy", True):
+            if self.engine.healthy:
                 await asyncio.to_thread(self.store.register_server, self.record(), self.settings.heartbeat_ttl_s)
                 self._registered = True
             elif self._registered:
                 await asyncio.to_thread(self.store.deregister_server, self.settings.server_id)
                 self._registered = False
                 log.warning("the engine cannot serve (%s): left the registry until it can",
-                            getattr(self.engine, "health_problem", lambda: None)() or "unhealthy")
+                            self.engine.health_problem() or "unhealthy")
         except StoreUnavailableError as exc:
             log.warning("heartbeat failed: %s", exc)
 
@@ -161,7 +161,7 @@ class ClusterMember:
     async def _evict(self, records: dict[str, AdapterRecord]) -> None:
         stale = {n for n in self._managed if n not in self._assigned}
         me = self.settings.server_id
-        busy = busy_adapters(self.engine)
+        busy = self.engine.busy_adapters()
         for name in sorted(stale & self._unassigned_once):
             if self._pins[name] or name in busy:
                 continue  # requests are on their way to it: the next pass looks again

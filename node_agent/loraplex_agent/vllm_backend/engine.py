@@ -182,6 +182,10 @@ class VllmEngine:
         """Tokens per KV block, from the last scrape (0 until one exports it)."""
         return self.stats.block_size
 
+    def health_problem(self) -> str | None:
+        """Why the vLLM server cannot serve now (its last probe's error), or None."""
+        return None if self.healthy else (self.error or "the vLLM server has not answered yet")
+
     def busy_adapters(self) -> frozenset[str]:
         """Adapters of requests running or waiting in the server: never unloaded under them."""
         return self.stats.busy_adapters
