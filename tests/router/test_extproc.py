@@ -34,6 +34,7 @@ def picker_env(make_router_env, redis_url, free_port, request):
     env = make_router_env(store=store, extproc=ExtProcConfig("127.0.0.1", port, picker), **kwargs)
     env.target = f"127.0.0.1:{port}"
     env.endpoint = {sid: server.url.removeprefix("http://") for sid, server in env.echoes.items()}
+    env.endpoint_of = lambda sid: env.app.state.cache.snapshot.servers[sid].url.removeprefix("http://")
     return env
 
 
@@ -74,9 +75,13 @@ async def test_fallbacks_follow_the_pipeline_and_a_refused_primary_is_ejected(pi
     assert len(endpoints) == 3 and len(set(endpoints)) == 3
     assert ex.served == endpoints[1] and ex.status == 200  # the gateway went down the list
     assert metric(picker_env, "loraplex_router_retries_total") == 1
-    assert "dead" in picker_env.app.state.proxy.detector.ejected(picker_env.app.state.cache.snapshot.servers) or \
-        metric(picker_env, "loraplex_router_upstream_failures_total") == 1
-    picker_env.publish({"b": {"dead": 0.5, "s1": 0.5}, "a": {"s0": 1.0}})
+    assert metric(picker_env, 'loraplex_router_upstream_failures_total{server="dead"}') == 1
+    for _ in range(2):  # three failures in a row eject it (--eject-after)
+        await gateway.send(completion("b"))
+    snapshot = picker_env.app.state.cache.snapshot
+    assert "dead" in picker_env.app.state.proxy.detector.ejected(snapshot.servers)
+    ex = await gateway.send(completion("b"))
+    assert picker_env.endpoint_of("dead") not in ex.destination.split(",")
 
 
 async def test_streaming_passes_through_and_usage_is_counted(picker_env, gateway):
