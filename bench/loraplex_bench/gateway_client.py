@@ -120,6 +120,8 @@ class Gateway:
         if forward:
             await self._forward(call, ex, path)
         await call.done_writing()
+        while await call.read() != grpc.aio.EOF:  # the picker has settled the request when its stream ends
+            pass
         return ex
 
     @staticmethod

@@ -53,6 +53,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "is about 0.5 MB as text and 1 MB as token ids, so this leaves room many times over, "
                         "while no request makes the router buffer more; the agents' default is the same)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--seed", type=int, default=None, help="seed the routing profile's random source, so a run "
+                   "repeats its picks (benchmarks); default: unseeded")
     _extproc_args(p)
     add_routing_args(p)
 

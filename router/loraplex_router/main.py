@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 
 import uvicorn
 
@@ -30,7 +31,9 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
     try:
         scorers = parse_weights(args.scorers) if args.scorers else None
         choice = RoutingChoice(args.profile, parse_options(getattr(args, "routing_option", None) or []))
-        return build_profile(choice, scorers=scorers, picker=args.picker)
+        seed = getattr(args, "seed", None)
+        rng = random.Random(seed) if seed is not None else None
+        return build_profile(choice, rng, scorers=scorers, picker=args.picker)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
 
