@@ -166,14 +166,16 @@ def _router_args(p: argparse.ArgumentParser) -> None:
 
 
 def _picker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--latency-requests", type=int, default=2000, help="rounds of the latency part; 0: skip it")
+    p.add_argument("--latency-requests", type=int, default=1000, help="rounds of the latency part; 0: skip it")
     p.add_argument("--decisions", type=int, default=10000, help="requests per path and profile in the share "
                    "part; 0: skip it")
     p.add_argument("--profiles", default="loraserve,load-aware,least-loaded,prefix-aware",
                    help="routing profiles of the share part")
     p.add_argument("--leak-requests", type=int, default=10000, help="requests of the leak part; 0: skip it")
-    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the leak part")
-    p.add_argument("--trace", choices=["code", "conv"], default="code", help="the Azure 2023 trace replayed")
+    p.add_argument("--identical", type=int, default=500, help="requests one at a time, seeded alike, whose picks "
+                   "must agree between the picker and the HTTP router (share part)")
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the share and leak parts")
+    p.add_argument("--trace", choices=["code", "conv"], default="conv", help="the Azure 2023 trace replayed")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
