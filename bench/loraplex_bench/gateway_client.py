@@ -110,13 +110,8 @@ class Gateway:
         if reply.HasField("immediate_response"):
             return self._immediate(ex, reply)
         self._routed(ex, reply)
-        while body is not None:
-            reply = await call.read()
-            ex.replies.append(reply.WhichOneof("response"))
-            streamed = reply.request_body.response.body_mutation.streamed_response
-            ex.sent_body += streamed.body
-            if streamed.end_of_stream:
-                break
+        if body is not None:
+            ex.sent_body = await self._streamed(call, ex, "request_body")
         if forward:
             await self._forward(call, ex, path)
         await call.done_writing()
@@ -151,11 +146,11 @@ class Gateway:
             reply = await call.read()
             ex.replies.append(reply.WhichOneof("response"))
             ex.status = upstream.status_code
-            reader = asyncio.ensure_future(self._read_body(call, ex))
+            reader = asyncio.ensure_future(self._streamed(call, ex, "response_body"))
             async for chunk in upstream.aiter_raw():
                 await call.write(ProcessingRequest(response_body=HttpBody(body=chunk)))
             await call.write(ProcessingRequest(response_body=HttpBody(body=b"", end_of_stream=True)))
-            await reader
+            ex.body = await reader
         finally:
             await upstream.aclose()
 
@@ -177,14 +172,16 @@ class Gateway:
         return None
 
     @staticmethod
-    async def _read_body(call, ex: Exchange) -> None:
+    async def _streamed(call, ex: Exchange, kind: str) -> bytes:
+        """The body the picker sends back in its replies of `kind` (request_body or response_body)."""
+        out = b""
         while True:
             reply = await call.read()
             ex.replies.append(reply.WhichOneof("response"))
-            streamed = reply.response_body.response.body_mutation.streamed_response
-            ex.body += streamed.body
+            streamed = getattr(reply, kind).response.body_mutation.streamed_response
+            out += streamed.body
             if streamed.end_of_stream:
-                return
+                return out
 
 
 def _request_headers(path: str) -> dict[str, str]:
