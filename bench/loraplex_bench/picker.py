@@ -6,9 +6,11 @@ process of its own, the router under test pinned to one CPU; the gateway's side 
 chunks, forwarding to the chosen endpoint). Three parts, each optional:
 
 1. Latency: sequential requests in rounds of three, direct to an echo server / through the HTTP
-   router / through the picker (then forwarded to the chosen echo server). The picker's decision is
-   the time from writing the request body's last chunk to reading the header reply; beside it, the
-   HTTP router's added latency (routed - direct), as `loraplex bench router` measures it.
+   router / through the picker (then forwarded to the chosen echo server). The picker's decision as
+   the gateway sees it is the time from writing the request body's last chunk to reading the header
+   reply (gRPC both ways included); its own share, from its histogram, the time to decide once the
+   last chunk is read. Beside them, the HTTP router's added latency (routed - direct), as `loraplex
+   bench router` measures it.
 2. Shares: `--decisions` requests of a replayed Azure 2023 trace (its order and prompt lengths; the
    adapter is the prompt length mod 5) through an HTTP router and through a picker, per routing
    profile, `--concurrency` at a time: per adapter, each server's share of picks by the picker, by the
@@ -157,9 +159,10 @@ async def _latency(bench: Bench, n: int) -> dict:
                 routed.append(r)
                 decisions.append(ex.decision_s)
     await gateway.close()
+    inside = _decision_buckets(httpx.get(url + "/metrics").text)
     child.stop()
     ms = 1000.0
-    return {"rounds": n, "body_chunks": 8,
+    return {"rounds": n, "body_chunks": 8, "picker_decide_within_s": inside,
             "picker_decision_p50_ms": pct(decisions, 50) * ms, "picker_decision_p99_ms": pct(decisions, 99) * ms,
             "direct_p50_ms": pct(direct, 50) * ms, "routed_p50_ms": pct(routed, 50) * ms,
             "router_added_p50_ms": (pct(routed, 50) - pct(direct, 50)) * ms,
@@ -277,6 +280,16 @@ async def _leak(bench: Bench, n: int, concurrency: int) -> dict:
               "open_at_end": left, "rss_kib_before": rss_before, "rss_kib_after": _rss_kib(child)}
     child.stop()
     return result
+
+
+def _decision_buckets(metrics: str) -> dict[str, float]:
+    """The share of the picker's own decisions (its llm_d_epp_scheduler_e2e_duration_seconds: from the
+    body's last chunk read to the decision made, without the gRPC transport) within each bucket bound."""
+    name = "llm_d_epp_scheduler_e2e_duration_seconds"
+    count = _sum(metrics, name + "_count")
+    buckets = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line.startswith(name + "_bucket")}
+    return {le: round(v / count, 4) for le, v in buckets.items() if le in ("0.00025", "0.0005", "0.001", "0.0025")}
 
 
 def _sum(metrics: str, name: str) -> float:
