@@ -128,3 +128,24 @@ def test_the_picker_serves_health_beside_the_router(redis_url, free_port, tmp_pa
         process.wait(timeout=20)
         store.deregister_server("s0")
         store.close()
+
+
+async def test_served_connections_send_without_waiting_for_acks(free_port):
+    """The listening socket names TCP, so asyncio sets TCP_NODELAY on each accepted connection (a
+    socket of protocol 0 left Nagle on: ~40 ms per small response, waiting for the delayed ACK)."""
+    import asyncio
+
+    from loraplex.startup import listen_socket
+
+    accepted = asyncio.get_running_loop().create_future()
+
+    async def serve(reader, writer) -> None:
+        accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    with listen_socket("127.0.0.1", free_port()) as sock:
+        server = await asyncio.start_server(serve, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        assert await asyncio.wait_for(accepted, 10) == 1
+        writer.close()
+        server.close()
