@@ -102,8 +102,7 @@ class Gateway:
         last = time.perf_counter()
         for i, chunk in enumerate(chunks := chunks_of(body or b"", pieces) if body is not None else []):
             end = i == len(chunks) - 1
-            await call.write(ProcessingRequest(request_body=HttpBody(body=chunk, end_of_stream=end),
-                                               metadata_context=subset_metadata(subset)))
+            await call.write(ProcessingRequest(request_body=HttpBody(body=chunk, end_of_stream=end)))
             last = time.perf_counter()
         reply = await call.read()
         ex.decision_s = time.perf_counter() - last

@@ -41,6 +41,7 @@ class Exchange:
         self.decider, self.proxy, self.metrics = decider, proxy, metrics
         self.started = time.monotonic()
         self.headers: dict[str, str] = {}
+        self.subset: frozenset[str] | None = None  # the gateway's subset hint (it comes with the headers)
         self.body: list[bytes] = []
         self.size = 0
         self.decision: Decision | None = None
@@ -76,6 +77,7 @@ class Exchange:
 
     def _request_headers(self, request: ProcessingRequest) -> Iterator[ProcessingResponse]:
         self.headers = protocol.headers_of(request.request_headers)
+        self.subset = protocol.subset_hint(request.metadata_context)
         if request.request_headers.end_of_stream:  # no body (a GET): routed now
             self.last_chunk_at = time.monotonic()
             yield from self._decide(request, end_of_stream=True, bodiless=True)
@@ -98,8 +100,8 @@ class Exchange:
         self.body = []
         started = time.perf_counter()
         try:
-            decision = self.decider.decide(self.headers, raw, protocol.subset_hint(request.metadata_context),
-                                           self.started)
+            hint = protocol.subset_hint(request.metadata_context)  # a later message may carry it instead
+            decision = self.decider.decide(self.headers, raw, self.subset if hint is None else hint, self.started)
         except LoraplexError as exc:
             self.metrics.attempts.labels("failure").inc()
             raise self._refused(exc) from exc
