@@ -13,8 +13,11 @@ from loraplex.spec.errors import CommandError
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now so that a port in use fails before anything loads."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """The server's socket, bound now so that a port in use fails before anything loads. Its protocol
+    is named: asyncio sets TCP_NODELAY only on connections of an IPPROTO_TCP socket, and without it
+    every small response waits ~40 ms for the client's delayed ACK (Nagle)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -22,6 +22,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -c "import torch; print(f'torch=={torch.__version__}')" > .venv/constraints.txt
 "${pip[@]}" install -c .venv/constraints.txt -e ".[$extras]"
+if [[ "$extras" == *dev* ]]; then
+  # xds-protos (the router's ext_proc stubs) ships a cel/__init__.py of its own (for cel.expr) that
+  # overwrites the CEL interpreter's when installed after it; the interpreter's serves both.
+  "${pip[@]}" install --force-reinstall --no-deps "$(.venv/bin/python -m pip freeze | grep -i '^common-expression-language==')"
+fi
 
 apt_updated=""
 # apt_install BINARY PACKAGE WHAT: install a Debian package when its program is missing (as root, e.g. CI).

@@ -71,6 +71,9 @@ def _register_cluster(registry: CommandRegistry) -> None:
               "stacks): TTFT, TBT and throughput side by side", backends_compare.configure, backends_compare.run)
     _add_long(registry, "bench router", "Measure the router's added latency and throughput against calling an "
               "agent directly", _router_args, run_module("loraplex_bench.router"))
+    _add_long(registry, "bench picker", "the router as a GIE endpoint picker (ext_proc), driven as a gateway "
+              "drives it: decision latency beside the HTTP router's, picks vs the HTTP router's and φ per "
+              "profile, and no leak under cancellations", _picker_args, run_module("loraplex_bench.picker"))
     _add_long(registry, "bench table-deltas", "a change of a 10,000-adapter routing table reaching routers and "
               "agents through Redis: deltas over a snapshot vs whole versions (an older revision), in one run",
               table_deltas.configure, table_deltas.run)
@@ -159,6 +162,20 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder for --upstream agent; default: ./models/tiny")
     p.add_argument("--stream", action="store_true", help="measure streaming requests")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _picker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--latency-requests", type=int, default=1000, help="rounds of the latency part; 0: skip it")
+    p.add_argument("--decisions", type=int, default=10000, help="requests per path and profile in the share "
+                   "part; 0: skip it")
+    p.add_argument("--profiles", default="loraserve,load-aware,least-loaded,prefix-aware",
+                   help="routing profiles of the share part")
+    p.add_argument("--leak-requests", type=int, default=10000, help="requests of the leak part; 0: skip it")
+    p.add_argument("--identical", type=int, default=500, help="requests one at a time, seeded alike, whose picks "
+                   "must agree between the picker and the HTTP router (share part)")
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the share and leak parts")
+    p.add_argument("--trace", choices=["code", "conv"], default="conv", help="the Azure 2023 trace replayed")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 

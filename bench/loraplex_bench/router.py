@@ -60,11 +60,11 @@ def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> di
     upstream_url, model = _start_upstream(args, workdir, ports[1], redis_url, children)
     store = RedisRoutingStore.from_url(redis_url, POOL)
     _publish(store, upstream_url, model, args)
-    router_cpu = _router_cpu()
+    cpu = router_cpu()
     router_argv = [*LORAPLEX, "router", "--redis-url", redis_url, "--pool", POOL, "--port", str(ports[2]),
                    "--log-level", "warning"]
-    if router_cpu is not None:
-        router_argv = ["taskset", "-c", str(router_cpu), *router_argv]
+    if cpu is not None:
+        router_argv = ["taskset", "-c", str(cpu), *router_argv]
     router = Child("router", router_argv, workdir).start()
     children.append(router)
     router_url = f"http://127.0.0.1:{ports[2]}"
@@ -74,7 +74,7 @@ def _bench(args: argparse.Namespace, workdir: Path, children: list[Child]) -> di
     throughput = asyncio.run(_throughput(upstream_url, router_url, body, args.requests, args.concurrency))
     store.close()
     return {"upstream": args.upstream, "stream": args.stream, "max_tokens": args.max_tokens,
-            "requests": args.requests, "concurrency": args.concurrency, "router_cpu": router_cpu,
+            "requests": args.requests, "concurrency": args.concurrency, "router_cpu": cpu,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} "
                        f"{platform.python_version()}",
             # uvicorn uses these when they are installed; they change the numbers a lot
@@ -98,13 +98,7 @@ def _start_upstream(args: argparse.Namespace, workdir: Path, port: int, redis_ur
     """(URL, base model name) of the upstream server."""
     url = f"http://127.0.0.1:{port}"
     if args.upstream == "echo":
-        code = ("import uvicorn; from loraplex_bench.echo_server import EchoServer; "
-                f"uvicorn.run(EchoServer('upstream'), host='127.0.0.1', port={port}, log_level='warning', "
-                "access_log=False)")
-        child = Child("upstream", [LORAPLEX[0], "-c", code], workdir).start()
-        children.append(child)
-        wait_http(url + "/health", child, 60)
-        return url, "echo-base"
+        return start_echo("upstream", workdir, port, children), "echo-base"
     from loraplex_local.stack import DEFAULT_MODEL_DIR, ensure_tiny_model
 
     folder = Path(args.model) if args.model else ensure_tiny_model(DEFAULT_MODEL_DIR, workdir)
@@ -118,6 +112,18 @@ def _start_upstream(args: argparse.Namespace, workdir: Path, port: int, redis_ur
     return url, base.name
 
 
+def start_echo(name: str, workdir: Path, port: int, children: list[Child]) -> str:
+    """The echo server in a process of its own; its URL."""
+    code = ("import uvicorn; from loraplex_bench.echo_server import EchoServer; "
+            f"uvicorn.run(EchoServer({name!r}), host='127.0.0.1', port={port}, log_level='warning', "
+            "access_log=False)")
+    child = Child(name, [LORAPLEX[0], "-c", code], workdir).start()
+    children.append(child)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", child, 60)
+    return url
+
+
 def _publish(store: RedisRoutingStore, upstream_url: str, model: str, args: argparse.Namespace) -> None:
     digest = "sha256:" + "0" * 64
     store.put_adapter(AdapterRecord(ADAPTER, digest, 8, 0, "file:///bench"))
@@ -125,7 +131,7 @@ def _publish(store: RedisRoutingStore, upstream_url: str, model: str, args: argp
     store.publish_table(RoutingTable(1, time.time(), {ADAPTER: make_entry(ADAPTER, digest, 8, [("upstream", 1.0)])}))
 
 
-def _router_cpu() -> int | None:
+def router_cpu() -> int | None:
     """The last CPU this process may use (the client and upstream are left the others)."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
@@ -159,9 +165,9 @@ async def _latency(direct: str, routed: str, body: dict, n: int) -> dict:
         pairs = [(await _one(client, direct, body), await _one(client, routed, body)) for _ in range(n)]
     d, r = [p[0] for p in pairs], [p[1] for p in pairs]
     ms = 1000.0
-    return {"direct_p50_ms": _pct(d, 50) * ms, "direct_p99_ms": _pct(d, 99) * ms,
-            "routed_p50_ms": _pct(r, 50) * ms, "routed_p99_ms": _pct(r, 99) * ms,
-            "added_p50_ms": (_pct(r, 50) - _pct(d, 50)) * ms, "added_p99_ms": (_pct(r, 99) - _pct(d, 99)) * ms,
+    return {"direct_p50_ms": pct(d, 50) * ms, "direct_p99_ms": pct(d, 99) * ms,
+            "routed_p50_ms": pct(r, 50) * ms, "routed_p99_ms": pct(r, 99) * ms,
+            "added_p50_ms": (pct(r, 50) - pct(d, 50)) * ms, "added_p99_ms": (pct(r, 99) - pct(d, 99)) * ms,
             "added_median_of_pairs_ms": statistics.median(b - a for a, b in pairs) * ms}
 
 
@@ -186,6 +192,6 @@ async def _rate(url: str, body: dict, n: int, concurrency: int) -> float:
         return n / (time.perf_counter() - start)
 
 
-def _pct(values: list[float], q: float) -> float:
+def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]

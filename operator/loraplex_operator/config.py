@@ -33,6 +33,11 @@ class OperatorConfig:
     # average and this many at once, to stay under its priority-and-fairness limits. 0: no limit.
     kube_qps: float = 200.0
     kube_burst: int = 400
+    # An InferencePool (Gateway API Inference Extension) per pool, its endpoint picker the pool's router
+    # on `picker_port` behind the Service <pool>-epp (the chart's gateway.inferencePool values).
+    inference_pool: bool = False
+    picker_port: int = 9002
+    picker_failure_mode: str = "FailClose"
 
     def agent_image_for(self, gpus_per_server: int) -> str:
         return self.agent_image if gpus_per_server > 0 else self.agent_cpu_image
@@ -47,6 +52,11 @@ class OperatorConfig:
             raise ValueError("tick and heartbeat TTL must be positive")
         if self.registration_batch_seconds < 0:
             raise ValueError(f"LORAPLEX_REGISTRATION_BATCH_SECONDS must be >= 0, got {self.registration_batch_seconds}")
+        if self.picker_failure_mode not in ("FailOpen", "FailClose"):
+            raise ValueError(f"LORAPLEX_PICKER_FAILURE_MODE must be FailOpen or FailClose, got "
+                             f"{self.picker_failure_mode!r}")
+        if not 0 < self.picker_port < 65536:
+            raise ValueError(f"LORAPLEX_PICKER_PORT must be a port number, got {self.picker_port}")
         if self.kube_qps < 0 or self.kube_burst < 1:
             raise ValueError(f"LORAPLEX_KUBE_QPS must be >= 0 and LORAPLEX_KUBE_BURST >= 1, got {self.kube_qps} "
                              f"and {self.kube_burst}")
@@ -70,4 +80,7 @@ class OperatorConfig:
             peering=env.get("LORAPLEX_PEERING", defaults.peering),
             kube_qps=float(env.get("LORAPLEX_KUBE_QPS", defaults.kube_qps)),
             kube_burst=int(env.get("LORAPLEX_KUBE_BURST", defaults.kube_burst)),
+            inference_pool=env.get("LORAPLEX_INFERENCE_POOL", "").lower() in ("1", "true"),
+            picker_port=int(env.get("LORAPLEX_PICKER_PORT", defaults.picker_port)),
+            picker_failure_mode=env.get("LORAPLEX_PICKER_FAILURE_MODE", defaults.picker_failure_mode),
         )

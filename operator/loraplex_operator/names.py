@@ -12,6 +12,7 @@ MANAGER = "loraplex-operator"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 AGENT_PORT = 8000
 AGENT_PORT_NAME = "http"
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"  # GIE's InferencePool (the user installs its CRD)
 VLLM_PORT_NAME = "vllm"  # the vLLM server of a pool with engine.backend vllm (its port: engine.vllm.port)
 
 
@@ -30,6 +31,15 @@ def configmap_name(pool: str) -> str:
 
 def vllm_plugin_configmap_name(pool: str) -> str:
     return f"{pool}-vllm-plugin"
+
+
+def picker_service_name(pool: str) -> str:
+    """The Service of the pool's endpoint picker (its router's ext_proc port; the chart makes it)."""
+    return f"{pool}-epp"
+
+
+def inference_pool_name(pool: str) -> str:
+    return pool
 
 
 def pdb_name(pool: str) -> str:

@@ -1,8 +1,8 @@
 """Pure builders: the Kubernetes objects of one AdapterPool, as plain dicts ready for server-side apply.
 
 StatefulSet (stable server names, one agent per pod), headless Service (stable DNS names for the
-router and for peer fetches), ConfigMap (the pool's agent settings, read as environment), and a
-PodDisruptionBudget. Every object carries an owner reference to the pool, so deleting the pool
+router and for peer fetches), ConfigMap (the pool's agent settings, read as environment), a
+PodDisruptionBudget, and, when the chart asks for it, a Gateway API InferencePool (docs/gateway.md). Every object carries an owner reference to the pool, so deleting the pool
 deletes them. A change of the spec changes the pod template (directly, or through the ConfigMap hash
 annotation), and the StatefulSet rolls its pods one at a time.
 """
@@ -320,8 +320,22 @@ def build_statefulset(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConf
     }
 
 
+def build_inference_pool(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig) -> dict[str, Any]:
+    """The pool as a Gateway API InferencePool: its agents' pods, on the port they registered (the vLLM
+    server's with engine.backend vllm), picked by the pool's router on its ext_proc port."""
+    port = spec.engine.vllm.port if uses_vllm(spec) else names.AGENT_PORT
+    picker = {"group": "", "kind": "Service", "name": names.picker_service_name(pool.name),
+              "port": {"number": config.picker_port}, "failureMode": config.picker_failure_mode}
+    return {"apiVersion": names.INFERENCE_POOL_API, "kind": "InferencePool",
+            "metadata": _metadata(pool, names.inference_pool_name(pool.name)),
+            "spec": {"selector": {"matchLabels": names.selector_labels(pool.name)},
+                     "targetPorts": [{"number": port}], "appProtocol": "http", "endpointPickerRef": picker}}
+
+
 def pool_objects(pool: PoolRef, spec: AdapterPoolSpec, config: OperatorConfig, replicas: int) -> list[dict[str, Any]]:
-    """Everything the pool owns, in the order to apply it (the ConfigMap before the pods that read it)."""
+    """Everything the pool owns, in the order to apply it (the ConfigMap before the pods that read it;
+    the InferencePool last, when the operator makes one: its CRD may be missing, and the rest stands)."""
     backend = _backend(pool, spec, config)
+    gateway = [build_inference_pool(pool, spec, config)] if config.inference_pool else []
     return [build_configmap(pool, spec, config), *backend.objects, build_service(pool, backend), build_pdb(pool, spec),
-            build_statefulset(pool, spec, config, replicas)]
+            build_statefulset(pool, spec, config, replicas), *gateway]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,9 @@ from loraplex_router.snapshot import Snapshot
 from loraplex_router.table_cache import TableCache
 
 UNKNOWN_MODEL = "(unknown)"  # the model label of requests refused before naming a served model
+# Something else the router process serves beside the HTTP API (the endpoint picker): entered once the
+# proxy exists, left before the table cache stops; it reads app.state (proxy, cache, metrics).
+Service = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
 @dataclass
@@ -46,7 +50,7 @@ class RouterSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413, unread
 
 
-def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
+def create_app(store: RoutingStore, settings: RouterSettings, services: Sequence[Service] = ()) -> FastAPI:
     metrics = RouterMetrics()
     demand = DemandCounter()
     profiles = ProfileSwitch(settings.profile, settings.profile_name, metrics)
@@ -64,7 +68,10 @@ def create_app(store: RoutingStore, settings: RouterSettings) -> FastAPI:
             profiles.attach(app.state.proxy)
             cache.start()
             try:
-                yield
+                async with AsyncExitStack() as stack:
+                    for service in services:
+                        await stack.enter_async_context(service(app))
+                    yield
             finally:
                 cache.stop()
 

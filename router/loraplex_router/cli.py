@@ -15,7 +15,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 def register(registry: CommandRegistry) -> None:
     registry.add("router", "Run the router: an OpenAI-compatible endpoint in front of a pool of agents",
                  add_router_args, run_module("loraplex_router.main"),
-                 check=run_module("loraplex_router.main", "settings_from_args"))
+                 check=run_module("loraplex_router.main", "check_args"))
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "is about 0.5 MB as text and 1 MB as token ids, so this leaves room many times over, "
                         "while no request makes the router buffer more; the agents' default is the same)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--seed", type=int, default=None, help="seed the routing profile's random source, so a run "
+                   "repeats its picks (benchmarks); default: unseeded")
+    _extproc_args(p)
     add_routing_args(p)
+
+
+def _extproc_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--extproc-port", type=int, default=0, metavar="PORT",
+                   help="also serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc v3, "
+                   "gRPC) on this port, for an InferencePool's endpointPickerRef; 0: off (docs/gateway.md)")
+    p.add_argument("--extproc-host", default=None, help="the picker's address; default: --host")
+    p.add_argument("--extproc-shed-queue-depth", type=int, default=0, metavar="N",
+                   help="the picker answers 429 when every server it may choose has N or more open requests; "
+                   "0: never shed")
 
 
 def _outlier_args(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 
 import uvicorn
 
@@ -19,6 +20,8 @@ from loraplex.spec.errors import CommandError, LoraplexError
 from loraplex.startup import listen_socket, open_store
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing, load_keys
+from loraplex_router.extproc.decision import PickerSettings
+from loraplex_router.extproc.server import ExtProcConfig, picker_service
 
 
 def profile_from_args(args: argparse.Namespace) -> Profile:
@@ -26,7 +29,9 @@ def profile_from_args(args: argparse.Namespace) -> Profile:
     try:
         scorers = parse_weights(args.scorers) if args.scorers else None
         choice = RoutingChoice(args.profile, parse_options(getattr(args, "routing_option", None) or []))
-        return build_profile(choice, scorers=scorers, picker=args.picker)
+        seed = getattr(args, "seed", None)
+        rng = random.Random(seed) if seed is not None else None
+        return build_profile(choice, rng, scorers=scorers, picker=args.picker)
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
 
@@ -49,6 +54,27 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
                           ttfb_deadline_s=args.ttfb_deadline, outliers=outliers_from_args(args))
 
 
+def extproc_from_args(args: argparse.Namespace) -> ExtProcConfig | None:
+    """The endpoint picker's settings, None when --extproc-port is 0."""
+    if not 0 <= args.extproc_port <= 65535:
+        raise CommandError("--extproc-port must be a port number (0: no endpoint picker)")
+    if args.extproc_shed_queue_depth < 0:
+        raise CommandError("--extproc-shed-queue-depth must be >= 0 (0: never shed)")
+    if not args.extproc_port:
+        return None
+    if args.extproc_port == args.port:
+        raise CommandError("--extproc-port must differ from --port")
+    picker = PickerSettings(args.max_request_bytes, args.max_attempts - 1, args.extproc_shed_queue_depth)
+    return ExtProcConfig(args.extproc_host or args.host, args.extproc_port, picker)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What `loraplex router` refuses of its parsed flags (CommandError, one line), without starting it:
+    `loraplex up` checks its --router-arg with it before anything starts."""
+    settings_from_args(args)
+    extproc_from_args(args)
+
+
 def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:
     if args.eject_after < 0:
         raise CommandError("--eject-after must be >= 0 (0: never eject)")
@@ -62,11 +88,18 @@ def outliers_from_args(args: argparse.Namespace) -> OutlierConfig:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    extproc = extproc_from_args(args)
+    services = []
+    if extproc is not None:
+        with listen_socket(extproc.host, extproc.port):
+            pass  # taken: fail here with one line, before anything starts
+        services.append(picker_service(extproc, settings.keys, settings.poll_interval_s))
     with listen_socket(args.host, args.port) as sock:
         # Redis may start after the router (a fresh install): wait for it, answering /ready 503.
         store = open_store(args.redis_url, args.pool, required=False)
         try:
-            server = uvicorn.Server(uvicorn.Config(create_app(store, settings), log_level=args.log_level,
+            app = create_app(store, settings, services)
+            server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level,
                                                   access_log=False))
             logging.getLogger("uvicorn.error").info("router listening on http://%s:%d", args.host, args.port)
             server.run(sockets=[sock])

@@ -40,7 +40,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from loraplex.routing.demand import demand_tokens
 from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
-from loraplex.routing.pipeline import NoCandidateError, Profile, prefix_config
+from loraplex.routing.pipeline import Candidate, NoCandidateError, Profile, prefix_config
 from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys, chunk_tokens
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
@@ -170,7 +170,7 @@ class Proxy:
     async def forward(self, snapshot: Snapshot, fwd: Forward) -> Response:
         tried: set[str] = set()
         for attempt in range(self.config.max_attempts):
-            server = self._pick(snapshot, fwd, tried)
+            server = self.pick(snapshot, fwd, tried)
             tried.add(server)
             if attempt:
                 self.metrics.retries.inc()
@@ -181,9 +181,28 @@ class Proxy:
                 self.metrics.upstream_failures.labels(server).inc()
         raise UpstreamError(f"{len(tried)} servers failed before answering: {sorted(tried)}")
 
-    def _pick(self, snapshot: Snapshot, fwd: Forward, tried: set[str]) -> str:
-        """The server for the request's next attempt; with a prefix index, `fwd.cached_blocks` is set to
-        what it predicts that server holds."""
+    def pick(self, snapshot: Snapshot, fwd: Forward, tried: set[str]) -> str:
+        """The server for the request's next attempt (never one of `tried`); with a prefix index,
+        `fwd.cached_blocks` is set to what it predicts that server holds, and the request's blocks are
+        recorded for it."""
+        server, candidates, index, now = self._choose(snapshot, fwd, tried)
+        self.metrics.picks.labels(server).inc()
+        if index is not None:
+            matched = next(c.prefix_blocks for c in candidates if c.server_id == server)  # as it counts
+            fwd.cached_blocks, fwd.block_tokens = matched, chunk_tokens(index.config.chunk_chars)
+            self._record_prefix(index, snapshot, server, fwd.prefix, matched, now)
+        return server
+
+    def fallback(self, snapshot: Snapshot, fwd: Forward, tried: set[str]) -> str | None:
+        """The server the request's next attempt would go to, recording nothing; None when no server
+        is left (the endpoint picker's ordered fallback list)."""
+        try:
+            return self._choose(snapshot, fwd, tried)[0]
+        except OverloadedError:
+            return None
+
+    def _choose(self, snapshot: Snapshot, fwd: Forward,
+                tried: set[str]) -> tuple[str, list[Candidate], PrefixIndex | None, float]:
         adapter, prefix = fwd.adapter, fwd.prefix
         ejected = self.detector.ejected(self.view().servers)
         self.metrics.ejected.set(len(ejected))
@@ -198,12 +217,7 @@ class Proxy:
         except NoCandidateError as exc:
             raise OverloadedError(f"no healthy server can serve this model ({exc.reason})",
                                   code="no_healthy_server") from exc
-        self.metrics.picks.labels(server).inc()
-        if index is not None:
-            matched = next(c.prefix_blocks for c in candidates if c.server_id == server)  # as it counts
-            fwd.cached_blocks, fwd.block_tokens = matched, chunk_tokens(index.config.chunk_chars)
-            self._record_prefix(index, snapshot, server, prefix, matched, now)
-        return server
+        return server, candidates, index, now
 
     def _record_prefix(self, index: PrefixIndex, snapshot: Snapshot, server: str, prefix: list[int], matched: int,
                        now: float) -> None:
@@ -221,16 +235,16 @@ class Proxy:
         if fwd.adapter is not None:
             headers[ADAPTER_HEADER] = fwd.adapter  # lets the agent fetch a missing adapter first
         request = self.client.build_request("POST", url, content=fwd.payload, headers=headers)
-        self._enter(server)
+        self.enter(server)
         try:
             opened = await self._open(request, attempt)
             if opened.first is not None:
                 return self._stream(server, opened, fwd)  # takes over the in-flight count
             response = await self._whole(server, opened.upstream, fwd)
         except BaseException:
-            self._leave(server)
+            self.leave(server)
             raise
-        self._leave(server)
+        self.leave(server)
         return response
 
     # ---- up to the first byte ---------------------------------------------------------------
@@ -242,7 +256,7 @@ class Proxy:
             opened = await self._watch(task, attempt)
         except httpx.TransportError as exc:
             connect = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
-            self._failed(attempt.server, Failure.CONNECT if connect else Failure.TRANSPORT)
+            self.failed(attempt.server, Failure.CONNECT if connect else Failure.TRANSPORT)
             raise _AttemptFailed(attempt.server) from exc
         if opened.upstream.status_code in RETRY_STATUSES:
             await opened.upstream.aclose()
@@ -304,7 +318,7 @@ class Proxy:
         if server in ejected:
             return "ejected"
         if attempt.stream and waited >= self.deadline.current():
-            self._failed(server, Failure.DEADLINE)
+            self.failed(server, Failure.DEADLINE)
             return "deadline"
         return "silent" if self._silent(view, attempt, waited) else None
 
@@ -335,7 +349,7 @@ class Proxy:
                 return None
         except httpx.HTTPError:
             pass
-        self._failed(attempt.server, Failure.UNRESPONSIVE)
+        self.failed(attempt.server, Failure.UNRESPONSIVE)
         return "unresponsive"
 
     def _silent(self, view: Snapshot, attempt: _Attempt, waited: float) -> bool:
@@ -352,7 +366,7 @@ class Proxy:
         if view.late_heartbeats(now) > self.config.outliers.limit(len(view.servers)):
             return False
         attempt.silence_reported = True
-        if self._failed(attempt.server, Failure.SILENT) is not Outcome.EJECTED:
+        if self.failed(attempt.server, Failure.SILENT) is not Outcome.EJECTED:
             return False
         self._start_drop(attempt.server, view.servers[attempt.server].heartbeat_at)
         return True
@@ -386,7 +400,7 @@ class Proxy:
         self.metrics.abandoned.labels(server, reason).inc()
         raise _AttemptFailed(server)
 
-    def _failed(self, server: str, failure: Failure) -> Outcome:
+    def failed(self, server: str, failure: Failure) -> Outcome:
         outcome = self.detector.record_failure(server, failure, self.view().servers)
         if outcome is Outcome.EJECTED:
             self.metrics.ejections.labels(server, failure.value).inc()
@@ -405,7 +419,7 @@ class Proxy:
             await upstream.aclose()
         self.metrics.time_to_first_byte.observe(time.monotonic() - fwd.arrived_at)
         if upstream.status_code == 200:
-            self._count(fwd, _usage_of(body))
+            self._count(fwd, usage_of(body))
         self._finish(fwd, upstream.status_code)
         return Response(body, status_code=upstream.status_code, headers={SERVER_HEADER: server},
                         media_type=upstream.headers.get("content-type", "application/json"))
@@ -434,9 +448,15 @@ class Proxy:
             raise
         finally:
             await upstream.aclose()
-            self._leave(server)
+            self.leave(server)
             self._count(fwd, tap.usage)
             self._finish(fwd, status)
+
+    def settle(self, fwd: Forward, usage: Usage | None, status: int) -> None:
+        """Counts an answered request as the proxy counts its own: tokens, demand, status, duration
+        (the endpoint picker's requests, which the gateway forwards)."""
+        self._count(fwd, usage)
+        self._finish(fwd, status)
 
     def _count(self, fwd: Forward, usage: Usage | None) -> None:
         if usage is None:
@@ -452,16 +472,16 @@ class Proxy:
         self.metrics.requests.labels(fwd.model, str(status)).inc()
         self.metrics.duration.observe(time.monotonic() - fwd.arrived_at)
 
-    def _enter(self, server: str) -> None:
+    def enter(self, server: str) -> None:
         self.in_flight[server] = self.in_flight.get(server, 0) + 1
         self.metrics.in_flight.labels(server).set(self.in_flight[server])
 
-    def _leave(self, server: str) -> None:
+    def leave(self, server: str) -> None:
         self.in_flight[server] = max(0, self.in_flight.get(server, 1) - 1)
         self.metrics.in_flight.labels(server).set(self.in_flight[server])
 
 
-def _usage_of(body: bytes) -> Usage | None:
+def usage_of(body: bytes) -> Usage | None:
     try:
         return Usage.from_body(json.loads(body))
     except ValueError:

@@ -104,3 +104,25 @@ def test_memory_metrics_show_the_prefix_cache_pinned_adapters_and_load_times(age
     finally:
         with httpx.Client(base_url=agent.url, timeout=60) as http:
             http.post("/v1/unload_lora_adapter", json={"lora_name": name}, headers=agent.admin_headers())
+
+
+def test_the_model_server_contract_gie_reads(agent):
+    """The series a Gateway API Inference Extension picker scrapes (GIE proposal 003), read as it reads
+    them, while a request for an adapter is running: queue and running counts, KV use in [0, 1], the
+    running adapter in vllm:lora_requests_info, block size and block count in vllm:cache_config_info."""
+    adapter = agent.adapters[1]
+    stream = agent.client().completions.create(model=adapter, prompt="def f(x):\n", max_tokens=64, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))  # running now
+        families = _families(agent)
+    finally:
+        stream.close()
+    assert _value(families["vllm:num_requests_running"]) >= 1
+    assert _value(families["vllm:num_requests_waiting"]) >= 0
+    assert 0.0 < _value(families["vllm:kv_cache_usage_perc"]) <= 1.0  # the running request holds blocks
+    [lora] = families["vllm:lora_requests_info"].samples
+    assert adapter in lora.labels["running_lora_adapters"].split(",")
+    assert int(lora.labels["max_lora"]) >= 1
+    [cache] = families["vllm:cache_config_info"].samples
+    assert int(cache.labels["block_size"]) > 0 and int(cache.labels["num_gpu_blocks"]) == 256

@@ -66,6 +66,8 @@ VALUE_SETS = {
                        "crds": {"install": False}, "metrics": {"grafanaDashboard": {"enabled": False}}},
     "secured": {"redis": {"auth": {"existingSecret": "redis-auth"}}, "networkPolicy": {"enabled": True},
                 "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}]},
+    "gateway": {"gateway": {"inferencePool": {"enabled": True, "checkCRDs": False, "failureMode": "FailOpen"}},
+                "networkPolicy": {"enabled": True}},
     # the documented value files (README, docs/kubernetes.md)
     **{f"examples/{p.name}": yaml.safe_load(p.read_text()) for p in sorted((ROOT / "examples" / "helm").glob("*.yaml"))},
 }
@@ -172,6 +174,39 @@ def test_external_redis_and_no_crds() -> None:
     assert "lp-loraplex-redis" not in names
     router = next(d for d in kinds["Deployment"] if d["metadata"]["name"] == "lp-loraplex-router")
     assert "--redis-url=redis://redis.infra:6379/1" in router["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_gateway_values_serve_the_picker_and_let_the_operator_make_inference_pools() -> None:
+    kinds = _kinds(_render(VALUE_SETS["gateway"]))
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in kinds["Deployment"]}
+    router = deployments["lp-loraplex-router"]["containers"][0]
+    assert "--extproc-port=9002" in router["args"]
+    assert {"name": "epp", "containerPort": 9002} in router["ports"]
+    services = {s["metadata"]["name"]: s["spec"] for s in kinds["Service"]}
+    picker = services["llama3-8b-epp"]  # the name the operator's InferencePool refers to
+    assert picker["ports"] == [{"name": "grpc-ext-proc", "port": 9002, "targetPort": "epp", "appProtocol": "http2"}]
+    assert picker["selector"]["app.kubernetes.io/component"] == "router"
+    env = {e["name"]: e.get("value") for e in deployments["lp-loraplex-operator"]["containers"][0]["env"]}
+    assert (env["LORAPLEX_INFERENCE_POOL"], env["LORAPLEX_PICKER_PORT"], env["LORAPLEX_PICKER_FAILURE_MODE"]) == \
+        ("true", "9002", "FailOpen")
+    rules = kinds["ClusterRole"][0]["rules"]
+    assert {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+            "verbs": ["get", "create", "patch"]} in rules
+    router_policy = next(p for p in kinds["NetworkPolicy"] if p["metadata"]["name"] == "lp-loraplex-router")
+    assert {"port": 9002, "protocol": "TCP"} in router_policy["spec"]["ingress"][0]["ports"]
+    defaults = _kinds(_render({}))
+    assert all(not s["metadata"]["name"].endswith("-epp") for s in defaults["Service"])
+    env = {e["name"]: e.get("value") for e in next(d for d in defaults["Deployment"] if d["metadata"]["name"]
+                                                   == "lp-loraplex-operator")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["LORAPLEX_INFERENCE_POOL"] == "false"
+
+
+def test_missing_gie_crds_fail_the_install_in_one_line() -> None:
+    """Without a cluster Helm sees no InferencePool API, as on a cluster without GIE's CRDs."""
+    with pytest.raises(helm.HelmRenderError) as failed:
+        _render({"gateway": {"inferencePool": {"enabled": True}}})
+    message = str(failed.value)
+    assert "\n" not in message.strip() and "Gateway API Inference Extension CRDs" in message
 
 
 @pytest.mark.parametrize("values", sorted(VALUE_SETS))

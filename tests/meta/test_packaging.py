@@ -43,3 +43,13 @@ def test_all_is_the_union_of_the_component_extras():
 def test_every_component_command_has_an_extra_in_all():
     commands = set(PROJECT["entry-points"]["loraplex.commands"])
     assert commands <= expand("all")[0]
+
+
+def test_the_cel_interpreter_and_the_ext_proc_stubs_live_together():
+    """xds-protos writes a cel/__init__.py of its own (for cel.expr); installed after the CEL
+    interpreter it hides it (scripts/setup.sh reinstalls the interpreter last)."""
+    import cel
+    from envoy.service.ext_proc.v3 import external_processor_pb2
+
+    assert hasattr(cel, "evaluate"), "cel/__init__.py is xds-protos': reinstall common-expression-language"
+    assert external_processor_pb2.ProcessingRequest.DESCRIPTOR.full_name == "envoy.service.ext_proc.v3.ProcessingRequest"

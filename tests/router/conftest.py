@@ -12,6 +12,7 @@ import pytest
 from loraplex_bench.echo_server import EchoServer
 from loraplex_router.app import RouterSettings, create_app
 from loraplex_router.auth import KeyRing
+from loraplex_router.extproc.server import ExtProcConfig, picker_service
 from threaded_server import ThreadedServer
 
 from loraplex.routing.memory_store import InMemoryRoutingStore
@@ -58,8 +59,10 @@ def wait_for(condition, timeout_s: float = 30.0) -> None:
 
 
 def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: int = 0,
-             profile: str = "loraserve", block_size: int = 0, store: RoutingStore | None = None) -> RouterEnv:
-    """`block_size`: the KV block size the servers report; `store`: the in-process one unless given."""
+             profile: str = "loraserve", block_size: int = 0, store: RoutingStore | None = None,
+             extproc: ExtProcConfig | None = None) -> RouterEnv:
+    """`block_size`: the KV block size the servers report; `store`: the in-process one unless given;
+    `extproc`: also serve the endpoint picker."""
     store = store or InMemoryRoutingStore("test", MonotonicClock(), window_s=1.0)
     echoes = {f"s{i}": ThreadedServer(EchoServer(f"s{i}"), free_port()).start() for i in range(num_echoes)}
     for sid, server in echoes.items():
@@ -69,7 +72,8 @@ def make_env(free_port, keys: KeyRing | None = None, num_echoes: int = 3, seed: 
         store.put_adapter(AdapterRecord(name, DIGEST, 8, 1000, f"file:///adapters/{name}"))
     settings = RouterSettings(profile=make_profile(profile, rng=random.Random(seed)), profile_name=profile,
                               keys=keys or KeyRing(), poll_interval_s=0.05, outliers=OutlierConfig(base_ejection_s=60))
-    app = create_app(store, settings)
+    services = [picker_service(extproc, settings.keys, settings.poll_interval_s)] if extproc else []
+    app = create_app(store, settings, services)
     router = ThreadedServer(app, free_port()).start()
     env = RouterEnv(store, router, echoes, app)
     env.publish({"a": {"s0": 1.0}, "b": {"s0": 0.2, "s1": 0.3, "s2": 0.5}, "c": {"s1": 0.5, "s2": 0.5}})

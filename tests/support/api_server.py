@@ -221,9 +221,11 @@ def _metadata_errors(obj: dict[str, Any]) -> list[str]:
     return []
 
 
-def api_server_errors(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    """Messages the API server would answer with; [] when it accepts (and defaults) the object."""
-    schema = schema_of(obj.get("kind", ""))
+def api_server_errors(obj: dict[str, Any], old: dict[str, Any] | None = None,
+                      schema: dict[str, Any] | None = None) -> list[str]:
+    """Messages the API server would answer with; [] when it accepts (and defaults) the object.
+    `schema`: the openAPIV3Schema to check against; default: our CRD of the object's kind."""
+    schema = schema or schema_of(obj.get("kind", ""))
     obj, unknown = decode(obj, schema)
     errors = [f"unknown field {path!r}" for path in unknown]
     errors += _metadata_errors(obj) + openapi_errors(obj, schema)

@@ -67,6 +67,11 @@ capabilities:
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch]
+{{- if .Values.gateway.inferencePool.enabled }}
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch]
+{{- end }}
 # Which servers' pods are Ready: a server serves only with a Ready pod and a fresh heartbeat.
 - apiGroups: [""]
   resources: [pods]
