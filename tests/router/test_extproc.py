@@ -173,7 +173,8 @@ async def test_cancel_mid_request_and_mid_response_leaves_nothing(picker_env, ga
     processor = picker_env.app.state.picker.processor
     await gateway.send_and_cancel(completion("a"), after_chunks=2)
     call = gateway.stub.Process()
-    await call.write(ProcessingRequest(request_headers=headers_message({":path": "/v1/completions"})))
+    await call.write(ProcessingRequest(request_headers=headers_message(
+        {":path": "/v1/completions", "content-type": "application/json"})))
     await call.write(ProcessingRequest(request_body=HttpBody(body=completion("a", stream=True), end_of_stream=True)))
     await call.read()
     await call.read()

@@ -79,7 +79,7 @@ class Decider:
         if raw is None:
             model = snapshot.base_model or ""
             return Forward(path, b"", model, None, False, False, arrived_at), False
-        original, body = raw, _parse_body(raw)
+        original, body = raw, _parse_body(raw, headers.get("content-type", ""))
         rewrite = next((headers[h] for h in MODEL_REWRITE if headers.get(h)), None)
         if rewrite is not None and rewrite != body["model"]:
             body = {**body, "model": rewrite}
