@@ -288,7 +288,7 @@ class BatchScheduler:
         return ScheduledChunk(
             request.request_id, tokens, start, request.block_ids,
             self._slots.get(request.request_id, NO_ADAPTER_SLOT),
-            start + num_tokens == num_prompt + num_output, request.sampling, num_output)
+            start + num_tokens == num_prompt + num_output, request.sampling, num_output, request.adapter_from)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
