@@ -122,3 +122,4 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     # with the first token of a request that asked for them: one per prompt token, the first None
     prompt_logprobs: list[SampledToken | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (`Request.num_cached_tokens`)

@@ -56,6 +56,7 @@ class Request:
     # set by `LLM.generate` (the server reads them from the first `RequestOutput`)
     prompt_logprobs: list[SampledToken | None] | None = None
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

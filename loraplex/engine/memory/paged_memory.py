@@ -250,6 +250,8 @@ class PagedMemory:
         chain = chain[:on_device]
         self.counts["prefix_queries_tokens"] += request.num_prompt_tokens
         self.counts["prefix_hit_tokens"] += min(len(chain) * self.block_size, request.num_prompt_tokens)
+        if not request.num_preemptions:  # what the client saved: its first admission's hit
+            request.num_cached_tokens = len(chain) * self.block_size
         if chain:
             self.tree.lock(chain[-1])
             self._locks[request.request_id] = chain[-1]

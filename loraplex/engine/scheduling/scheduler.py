@@ -216,7 +216,8 @@ class BatchScheduler:
                 self._finish(request, reason)  # dropped from the running list below
                 finished = True
             outputs.append(RequestOutput(chunk.request_id, [token_id], [token], len(request.prompt_token_ids),
-                                         len(tokens), reason is not None, reason))
+                                         len(tokens), reason is not None, reason,
+                                         num_cached_tokens=request.num_cached_tokens))
         if finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status is running]
         return outputs
