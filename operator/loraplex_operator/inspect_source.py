@@ -39,6 +39,7 @@ class AdapterFacts:
     rank: int
     size_bytes: int
     target_modules: tuple[str, ...] = ()
+    invocation_tokens: tuple[int, ...] = ()  # an activated LoRA's (alora_invocation_tokens)
 
 
 def file_url(source: str, file_name: str, hf_endpoint: str = HF_ENDPOINT) -> str:
@@ -72,7 +73,12 @@ class SourceInspector:
             raise InspectionError("DigestMismatch", f"weights digest is {digest}, spec.adapter.sha256 says "
                                   f"sha256:{adapter.sha256}")
         modules = config.get("target_modules") or ()
-        return AdapterFacts(digest, rank, size, tuple(modules) if isinstance(modules, list) else ())
+        invocation = config.get("alora_invocation_tokens") or ()
+        if not isinstance(invocation, list | tuple):
+            raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} has alora_invocation_tokens={invocation!r}, "
+                                  "not a list of token ids")
+        return AdapterFacts(digest, rank, size, tuple(modules) if isinstance(modules, list) else (),
+                            tuple(invocation))
 
     def _open(self, url: str, headers: Mapping[str, str]):  # noqa: ANN202 - an http.client response
         try:

@@ -173,8 +173,9 @@ def adapter_record(deployment: LoRADeployment, path: Path) -> AdapterRecord:
     """The registry record of a deployment (the adapter is named by the deployment's name)."""
     name, spec = deployment.metadata["name"], deployment.spec.adapter
     source = resolve_source(spec.source, path.parent)
+    invocation: tuple[int, ...] = ()
     if source.startswith("file://"):
-        digest, rank, size = _inspect(Path(source.removeprefix("file://")), path)
+        digest, rank, size, invocation = _inspect(Path(source.removeprefix("file://")), path)
         if spec.sha256 and f"sha256:{spec.sha256}" != digest:
             raise ManifestError(f"{path}: adapter {name!r} has digest {digest}, not the declared sha256")
         if spec.rank and spec.rank != rank:
@@ -185,7 +186,8 @@ def adapter_record(deployment: LoRADeployment, path: Path) -> AdapterRecord:
         raise ManifestError(f"{path}: local mode reads digests of file:// adapters only; give adapter.sha256 "
                             f"and adapter.rank for {spec.source}")
     return AdapterRecord(name=name, digest=digest, rank=rank, size_bytes=size, source=source,
-                         expected_tps=deployment.spec.traffic.expected_tokens_per_second).validate()
+                         expected_tps=deployment.spec.traffic.expected_tokens_per_second,
+                         invocation_tokens=invocation).validate()
 
 
 def resolve_source(source: str, base: Path) -> str:
@@ -194,17 +196,20 @@ def resolve_source(source: str, base: Path) -> str:
     return source
 
 
-def _inspect(folder: Path, manifest: Path) -> tuple[str, int, int]:
+def _inspect(folder: Path, manifest: Path) -> tuple[str, int, int, tuple[int, ...]]:
+    """Digest, rank, size and activated-LoRA invocation (empty for a standard LoRA) of a folder."""
     weights, config = folder / WEIGHTS_FILE, folder / CONFIG_FILE
     if not weights.is_file() or not config.is_file():
         raise ManifestError(f"{manifest}: {folder} is not a PEFT adapter folder ({CONFIG_FILE} and "
                             f"{WEIGHTS_FILE} are needed)")
     try:
-        rank = int(json.loads(config.read_text())["r"])
+        doc = json.loads(config.read_text())
+        rank = int(doc["r"])
+        invocation = tuple(int(t) for t in doc.get("alora_invocation_tokens") or ())
     except (ValueError, KeyError, TypeError) as exc:
-        raise ManifestError(f"{manifest}: {config} has no valid rank 'r': {exc}") from exc
+        raise ManifestError(f"{manifest}: {config} has no valid rank 'r' or alora_invocation_tokens: {exc}") from exc
     digest = hashlib.sha256()
     with weights.open("rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return "sha256:" + digest.hexdigest(), rank, weights.stat().st_size
+    return "sha256:" + digest.hexdigest(), rank, weights.stat().st_size, invocation

@@ -42,7 +42,14 @@ from fastapi.responses import Response, StreamingResponse
 from loraplex.routing.demand import demand_tokens
 from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
 from loraplex.routing.pipeline import NoCandidateError, Profile, prefix_config
-from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys, chunk_tokens
+from loraplex.routing.prefix import (
+    PrefixConfig,
+    PrefixIndex,
+    adapter_seed,
+    alora_body_keys,
+    body_keys,
+    chunk_tokens,
+)
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import UpstreamError
@@ -154,6 +161,8 @@ class Proxy:
         if index is None:
             return []
         record = snapshot.adapters.get(adapter) if adapter is not None else None
+        if record is not None and record.is_alora:
+            return alora_body_keys(record.invocation_tokens, body, index.config.chunk_chars)
         return body_keys(adapter_seed(adapter, record.digest if record else ""), body, index.config.chunk_chars)
 
     def _prefix_index(self) -> PrefixIndex | None:
