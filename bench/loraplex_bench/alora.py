@@ -61,6 +61,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-tokens", type=int, default=4, help="tokens of a checker's answer")
     p.add_argument("--agents", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2, help="rounds of every mode, in ABBA order, pooled")
+    p.add_argument("--routing-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a knob of the prefix-aware router (repeatable), e.g. load_slack=6: a turn fans out k "
+                   "checkers at once, and the load ceiling (load_factor x the least queue + load_slack) sends "
+                   "those past it to a server without the conversation")
     p.add_argument("--profile", default="cpu-tiny", help="the twin's latency profile: name or file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
@@ -271,7 +275,8 @@ def run_engine(args: argparse.Namespace, ks: list[int], model: Path, workdir: Pa
     first = free_port_block(args.agents + 2)
     config = StackConfig(agents=args.agents, manifests=manifests, model=model, redis_port=first,
                          router_port=first + 1, agent_base_port=first + 2, workdir=workdir,
-                         router_args=["--log-level", "warning", "--profile", "prefix-aware"])
+                         router_args=["--log-level", "warning", "--profile", "prefix-aware",
+                                      *(f"--routing-option={o}" for o in args.routing_option)])
     rows = []
     with running_stack(config) as stack:
         wait_placed(stack, adapters, args.agents)

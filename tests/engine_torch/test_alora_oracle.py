@@ -143,3 +143,20 @@ def test_checkers_reuse_the_base_conversation(tiny_alora_model, oracle, invocati
     # the checkers' own blocks (from the invocation on) were not cached as the base model's
     [again] = llm.generate([checks[0]], GREEDY, [None])
     assert llm.core.memory_stats().prefix_hit_tokens - hits_before == 3 * whole_blocks
+
+
+def test_a_swapped_out_conversation_comes_back_for_its_checkers(tiny_alora_model, oracle, invocation):
+    """On a unified pool with a host tier: other traffic pushes the conversation's base-keyed blocks
+    to the host; the checker swaps them back in (and still equals peft)."""
+    llm = make_llm(tiny_alora_model, num_blocks=100, num_host_blocks=300, max_num_seqs=4)
+    conversation = prompts([4 * BLOCK + 3], seed=8)[0]
+    [answer] = llm.generate([conversation], GREEDY, [None])
+    llm.generate(prompts([110] * 16, seed=9), GREEDY, [None] * 16)  # fills the device pool
+    assert llm.core.memory_stats().kv_swap_outs > 0
+    chat = conversation + answer.output_token_ids
+    hits_before = llm.core.memory_stats().prefix_hit_tokens
+    [checker] = llm.generate([chat + invocation + [11, 12, 13]], GREEDY, ["alora01-r16"])
+    stats = llm.core.memory_stats()
+    assert stats.kv_swap_ins > 0 and stats.prefix_hit_tokens - hits_before == len(chat) // BLOCK * BLOCK
+    assert checker.num_cached_tokens == len(chat) // BLOCK * BLOCK
+    check(llm, [checker], oracle)
