@@ -50,6 +50,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     return make_tiny_model(out, num_adapters=TINY_MODEL_ADAPTERS, ranks=TINY_MODEL_RANKS, seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_alora_model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny model with lora00-r8, lora01-r16 and the activated LoRAs alora00-r8 and alora01-r16
+    (the same weights, invoked by `tiny_model.INVOCATION`)."""
+    from loraplex_agent.tiny_model import make_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-alora-model")
+    return make_tiny_model(out, num_adapters=2, ranks=(8, 16), seed=0, alora_adapters=2)
+
+
 @contextmanager
 def running_redis(port: int, workdir: Path) -> Iterator[str]:
     """A real redis-server on 127.0.0.1:port (no persistence), stopped on exit; yields its URL."""

@@ -23,6 +23,7 @@ def register(registry: CommandRegistry) -> None:
 def _register_twin(registry: CommandRegistry) -> None:
     """Policies in the digital twin (and, for memory and schedulers, on the real engine too)."""
     from loraplex_bench import (  # argparse and the twin; torch is imported when the engine side runs
+        alora,
         memory_compare,
         placement_timing,
         placement_twin,
@@ -43,6 +44,9 @@ def _register_twin(registry: CommandRegistry) -> None:
               "throughput at the SLO and P95 TBT", routing_compare.configure, routing_compare.run)
     _add_long(registry, "bench prefix-routing", "prefix-aware vs loraserve routing on multi-turn chat sessions, in "
               "the cluster twin and on a local stack (3+ agents)", prefix_routing.configure, prefix_routing.run)
+    _add_long(registry, "bench alora", "pipelines of checker adapters on one conversation: activated LoRA vs the "
+              "same weights as standard LoRA, on a local stack (3 agents, prefix-aware routing) and in the twin",
+              alora.configure, alora.run)
 
 
 def _register_engine(registry: CommandRegistry) -> None:

@@ -76,12 +76,12 @@ def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) 
             try:
                 routers.update({r: f"http://127.0.0.1:{first + 1 + i}" for i, r in enumerate(routings) if i})
                 adapters = sorted(workloads[kinds[0]].adapters)
-                _wait_placed(stack, adapters, args.agents)
+                wait_placed(stack, adapters, args.agents)
                 table = stack.store.read_table()
                 side.settings["phi"] = {a: sorted(round(r.weight, 2) for r in table.routes(a)) for a in adapters}
                 agents = [s.url for s in stack.store.healthy_servers()]
                 for url in routers.values():
-                    _warm_up(url, adapters, stage)
+                    warm_up(url, adapters, stage)
                 for kind in kinds:
                     samples: dict[str, list[Sample]] = {r: [] for r in routers}
                     for round_ in range(args.engine_repeats):
@@ -146,19 +146,19 @@ def _start_router(redis_url: str, port: int, routing: str, args: argparse.Namesp
         command += ["--routing-option", option]
     log = (workdir / f"router-{routing}.log").open("w")
     child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    _until(lambda: _ok(f"http://127.0.0.1:{port}/ready"), 120, f"the {routing} router is not ready")
+    until(lambda: _ok(f"http://127.0.0.1:{port}/ready"), 120, f"the {routing} router is not ready")
     return child
 
 
-def _wait_placed(stack, adapters: list[str], replicas: int) -> None:
+def wait_placed(stack, adapters: list[str], replicas: int) -> None:
     def placed() -> bool:
         table = stack.store.read_table()
         return table is not None and all(len(table.routes(a)) >= replicas for a in adapters)
 
-    _until(placed, 300, f"the placement did not put every adapter on {replicas} servers")
+    until(placed, 300, f"the placement did not put every adapter on {replicas} servers")
 
 
-def _warm_up(url: str, adapters: list[str], say) -> None:
+def warm_up(url: str, adapters: list[str], say) -> None:
     """Every adapter answers once through the router (fetched and loaded before the measurement)."""
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=TIMEOUT_S) as api:
         for adapter in adapters:
@@ -167,7 +167,7 @@ def _warm_up(url: str, adapters: list[str], say) -> None:
                 api.chat.completions.create(model=adapter, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
-def _until(condition, timeout_s: float, message: str) -> None:
+def until(condition, timeout_s: float, message: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -220,13 +220,13 @@ def pooled(kind: str, routing: str, runs: list[Sample]) -> Row:
 
 def _engine_counters(router: str, agents: list[str]) -> list[float]:
     """The agents' summed prefix hits and queries, the router's matched and requested blocks."""
-    agent = [_counters(a + "/metrics", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries") for a in agents]
+    agent = [metric_sums(a + "/metrics", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries") for a in agents]
     return [sum(a[0] for a in agent), sum(a[1] for a in agent),
-            *_counters(router + "/metrics", 'loraplex_router_prefix_blocks_total{kind="matched"}',
+            *metric_sums(router + "/metrics", 'loraplex_router_prefix_blocks_total{kind="matched"}',
                        'loraplex_router_prefix_blocks_total{kind="requested"}')]
 
 
-def _counters(url: str, *names: str) -> list[float]:
+def metric_sums(url: str, *names: str) -> list[float]:
     text = httpx.get(url, timeout=10).text
     values = []
     for name in names:
@@ -250,12 +250,12 @@ async def _session(api: openai.AsyncOpenAI, workload: SessionWorkload, index: in
                    words: Vocabulary, tag: str, results: list) -> None:
     session = workload.sessions[index]
     await asyncio.sleep(max(0.0, origin + session.arrival_s - time.monotonic()))
-    system = _text(words.words, ("system", workload.adapter_index(session.adapter)), workload.spec.system_prompt_tokens)
+    system = word_text(words.words, ("system", workload.adapter_index(session.adapter)), workload.spec.system_prompt_tokens)
     messages = [{"role": "system", "content": f"{tag} {system}"}]
     for k, turn in enumerate(session.turns):
         if k:
             await asyncio.sleep(turn.think_s)
-        messages.append({"role": "user", "content": f"{index} " + _text(words.words, (index, k), turn.user_tokens)})
+        messages.append({"role": "user", "content": f"{index} " + word_text(words.words, (index, k), turn.user_tokens)})
         sent = time.monotonic()
         first, parts, count = None, [], 0
         try:
@@ -275,6 +275,6 @@ async def _session(api: openai.AsyncOpenAI, workload: SessionWorkload, index: in
         messages.append({"role": "assistant", "content": "".join(parts)})
 
 
-def _text(words: list[str], key: tuple, count: int) -> str:
+def word_text(words: list[str], key: tuple, count: int) -> str:
     rng = np.random.default_rng([zlib.crc32(str(part).encode()) for part in key])
     return " ".join(words[i] for i in rng.integers(0, len(words), count))

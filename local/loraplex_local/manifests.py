@@ -228,11 +228,11 @@ def _inspect(folder: Path, manifest: Path) -> AdapterFacts:
         raise ManifestError(f"{manifest}: {folder} is not a PEFT adapter folder ({CONFIG_FILE} and "
                             f"{WEIGHTS_FILE} are needed)")
     try:
-        rank, modules = config_facts(json.loads(config.read_text()))
+        facts = config_facts(json.loads(config.read_text()))
     except ValueError as exc:
         raise ManifestError(f"{manifest}: {config}: {one_line(exc)}") from None
     digest = hashlib.sha256()
     with weights.open("rb") as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
-    return AdapterFacts("sha256:" + digest.hexdigest(), rank, weights.stat().st_size, modules)
+    return facts.with_weights("sha256:" + digest.hexdigest(), weights.stat().st_size)

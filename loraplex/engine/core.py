@@ -15,6 +15,7 @@ from loraplex.engine.request import Request
 from loraplex.engine.scheduling.schedulers import make_scheduler
 from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.spec.adapter import AdapterId, AdapterInfo
+from loraplex.spec.alora import adapter_start
 from loraplex.spec.errors import AdapterError, ConflictError, InvalidRequestError, NotFoundError
 from loraplex.util.clock import Clock, MonotonicClock
 
@@ -100,6 +101,7 @@ class EngineCore:
             info = self.adapters.get(request.adapter.name)
             if info is None or info.id != request.adapter:
                 raise NotFoundError(f"adapter {request.adapter.name!r} is not loaded", param="model")
+            request.adapter_from = adapter_start(request.prompt_token_ids, info.invocation_tokens)
         request.arrival_time = request.arrival_time or self.clock.now()
         self.scheduler.add_request(request)
 

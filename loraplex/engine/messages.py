@@ -24,10 +24,16 @@ class ScheduledChunk:
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sampling: SamplingParams
     num_output_tokens: int = 0  # tokens generated so far (seeded sampling stays reproducible)
+    adapter_from: int = 0  # positions before it run on the base model alone (an activated LoRA's prefix)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def adapter_slot_at(self, position: int) -> int:
+        """The adapter slot of the token at `position`: `adapter_slot`, or NO_ADAPTER_SLOT before
+        `adapter_from`."""
+        return self.adapter_slot if position >= self.adapter_from else NO_ADAPTER_SLOT
 
 
 @dataclass(slots=True)
@@ -116,3 +122,4 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     # with the first token of a request that asked for them: one per prompt token, the first None
     prompt_logprobs: list[SampledToken | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (`Request.num_cached_tokens`)

@@ -45,6 +45,9 @@ class Request:
     arrival_time: float = 0.0
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    # first position the adapter's delta applies to: 0 for a standard LoRA; for an activated LoRA
+    # its invocation's start (`loraplex.spec.alora`), set by `EngineCore.add_request`
+    adapter_from: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +56,7 @@ class Request:
     # set by `LLM.generate` (the server reads them from the first `RequestOutput`)
     prompt_logprobs: list[SampledToken | None] | None = None
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -87,6 +91,16 @@ class Request:
         if start + count <= len(prompt):  # a prompt chunk
             return prompt[start:start + count]
         return (prompt + self.output_token_ids)[start:start + count]
+
+    @property
+    def cache_key(self) -> tuple[AdapterId | None, int]:
+        """(adapter, tokens) of its prefix-cache key: the leading tokens before `adapter_from`
+        carry the base model's KV, so an activated LoRA's prefix is keyed as the base model's
+        (shared with base requests and every aLoRA of the base) up to there, and nothing after it is
+        cached. Everything else is keyed by its adapter identity, all tokens."""
+        if self.adapter is None or self.adapter_from == 0:
+            return self.adapter, self.num_tokens
+        return None, min(self.adapter_from, self.num_tokens)
 
     @property
     def reuses_cached_prefix(self) -> bool:

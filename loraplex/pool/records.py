@@ -1,5 +1,5 @@
 """An adapter's registry record, written the same way by both drivers: the facts learnt from its files
-(digest, rank, size, target modules; the operator reads them over https/hf, `loraplex up` from the
+(digest, rank, size, target modules, an activated LoRA's invocation; the operator reads them over https/hf, `loraplex up` from the
 folder), checked against what the LoRADeployment declares, joined with the pool's base model."""
 
 from __future__ import annotations
@@ -19,6 +19,19 @@ class AdapterFacts:
     rank: int
     size_bytes: int
     target_modules: tuple[str, ...] = ()
+    invocation_tokens: tuple[int, ...] = ()  # an activated LoRA's (alora_invocation_tokens)
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What an adapter_config.json says of the adapter."""
+
+    rank: int
+    target_modules: tuple[str, ...] = ()
+    invocation_tokens: tuple[int, ...] = ()
+
+    def with_weights(self, digest: str, size_bytes: int) -> AdapterFacts:
+        return AdapterFacts(digest, self.rank, size_bytes, self.target_modules, self.invocation_tokens)
 
 
 class AdapterFactsError(ValueError):
@@ -36,15 +49,19 @@ def declared_facts(adapter: AdapterSource) -> AdapterFacts | None:
     return None
 
 
-def config_facts(config: object) -> tuple[int, tuple[str, ...]]:
-    """(rank, target modules) of a parsed adapter_config.json."""
+def config_facts(config: object) -> ConfigFacts:
+    """Rank, target modules and activated-LoRA invocation of a parsed adapter_config.json."""
     if not isinstance(config, dict):
         raise AdapterFactsError("InvalidAdapter", f"{CONFIG_FILE} is not a JSON object")
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterFactsError("InvalidAdapter", f"{CONFIG_FILE} has no positive integer rank 'r': {rank!r}")
     modules = config.get("target_modules") or ()
-    return rank, tuple(modules) if isinstance(modules, list) else ()
+    invocation = config.get("alora_invocation_tokens") or ()
+    if not isinstance(invocation, list | tuple):
+        raise AdapterFactsError("InvalidAdapter", f"{CONFIG_FILE} has alora_invocation_tokens={invocation!r}, "
+                                "not a list of token ids")
+    return ConfigFacts(rank, tuple(modules) if isinstance(modules, list) else (), tuple(invocation))
 
 
 def check_declared(adapter: AdapterSource, rank: int, digest: str | None = None) -> None:
@@ -63,6 +80,7 @@ def adapter_record(name: str, facts: AdapterFacts, spec: LoRADeploymentSpec, poo
     try:
         return AdapterRecord(name, facts.digest, facts.rank, facts.size_bytes, source or spec.adapter.source,
                              facts.target_modules, pool.base_model.name if pool else "",
-                             spec.traffic.expected_tokens_per_second).validate()
+                             spec.traffic.expected_tokens_per_second,
+                             invocation_tokens=facts.invocation_tokens).validate()
     except RecordError as exc:
         raise AdapterFactsError("InvalidAdapter", str(exc)) from exc

@@ -12,13 +12,17 @@ DEFAULT_WINDOW_S = 10.0
 DEFAULT_WINDOWS = 6  # one minute of history, the paper's time-step scale
 
 
-def demand_tokens(prompt_tokens: int, output_tokens: int, cached_blocks: int = 0, block_tokens: int = 0) -> int:
-    """The work one request adds to its adapter's demand: its output and the prompt tokens not predicted
-    cached on the server that took it. `cached_blocks`: the prefix blocks a prefix-aware profile's index
-    matched there (0 for other profiles), of `block_tokens` tokens each; the prediction is capped by the
-    prompt. A prefill served from the prefix cache costs the server (almost) nothing, so counting it
-    would size the pool for a re-sent chat history as if it were recomputed every turn."""
-    cached = min(prompt_tokens, max(0, cached_blocks) * max(0, block_tokens))
+def demand_tokens(prompt_tokens: int, output_tokens: int, cached_blocks: int = 0, block_tokens: int = 0,
+                  reported_cached: int | None = None) -> int:
+    """The work one request adds to its adapter's demand: its output and the prompt tokens not cached
+    on the server that took it. `reported_cached`: the cached prompt tokens the server reported
+    (`usage.prompt_tokens_details.cached_tokens`); without it, the prediction of `cached_blocks`, the
+    prefix blocks a prefix-aware profile's index matched there (0 for other profiles), of
+    `block_tokens` tokens each, which undercounts near saturation. Either is capped by the prompt. A
+    prefill served from the prefix cache costs the server (almost) nothing, so counting it would size
+    the pool for a re-sent chat history as if it were recomputed every turn."""
+    predicted = max(0, cached_blocks) * max(0, block_tokens)
+    cached = min(prompt_tokens, predicted if reported_cached is None else max(0, reported_cached))
     return max(0, prompt_tokens - cached) + max(0, output_tokens)
 
 

@@ -9,6 +9,12 @@ SGLang's cache-aware router), pure and torch-free so the router and the twin run
 - the router cuts what it has without a tokenizer: the chat messages or the prompt text in chunks
   of `chunk_chars` characters (about one KV block of tokens), token-id prompts in blocks of
   `chunk_chars // 4` ids; the twin cuts token ids in the engine's own blocks;
+- an activated LoRA's request (its record carries `invocation_tokens`) is keyed as the base
+  model's: by causality its KV before the invocation is the base model's, which the engine caches
+  under the base model for the base and every aLoRA adapter, so a checker goes where its
+  conversation is. A token-id prompt is keyed up to the invocation's last occurrence; text, which
+  the router cannot tokenize, is keyed whole (its chunks past the invocation are a guess that only a
+  prompt repeating the checker's own text could hit);
 - a server's match counts only when it covers at least one of the KV blocks its agent reports
   (`cached_match`): on an engine with 32-token blocks a one-chunk match is worth nothing;
 - after each pick the router records the request's keys for the chosen server (it will compute
@@ -34,6 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loraplex.spec.alora import invocation_start
 from loraplex.util.args import typed_options
 
 TOKENS_PER_CHAR = 0.25  # English text and code: about four characters a token
@@ -114,6 +121,16 @@ def body_keys(seed: str, body: Mapping, chunk_chars: int) -> list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return token_keys(seed, prompt, chunk_tokens(chunk_chars))
     return []
+
+
+def alora_body_keys(invocation: Sequence[int], body: Mapping, chunk_chars: int) -> list[int]:
+    """Keys of an activated LoRA's request: the base model's keys of what precedes the invocation."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        start = invocation_start(prompt, invocation)
+        return token_keys(adapter_seed(None), prompt[:start] if start is not None else prompt,
+                          chunk_tokens(chunk_chars))
+    return body_keys(adapter_seed(None), body, chunk_chars)
 
 
 def chunk_tokens(chunk_chars: int) -> int:

@@ -179,6 +179,12 @@ class AdapterRecord:
     base_model: str = ""
     expected_tps: float = 0.0  # declared tokens/s, used while no demand has been observed
     locations: frozenset[str] = frozenset()
+    # an activated LoRA's invocation (PEFT's alora_invocation_tokens); empty for a standard LoRA
+    invocation_tokens: tuple[int, ...] = ()
+
+    @property
+    def is_alora(self) -> bool:
+        return bool(self.invocation_tokens)
 
     def validate(self) -> AdapterRecord:
         validate_adapter_name(self.name)
@@ -188,6 +194,8 @@ class AdapterRecord:
             raise RecordError(f"adapter {self.name!r}: rank must be positive and size/expected_tps >= 0")
         if not self.source:
             raise RecordError(f"adapter {self.name!r} has no source")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.invocation_tokens):
+            raise RecordError(f"adapter {self.name!r}: invocation tokens must be token ids, got {self.invocation_tokens!r}")
         return self
 
     def to_json(self) -> str:
@@ -201,6 +209,7 @@ class AdapterRecord:
         try:
             doc = json.loads(text)
             doc["target_modules"] = tuple(doc.get("target_modules", ()))
+            doc["invocation_tokens"] = tuple(doc.get("invocation_tokens", ()))
             return cls(locations=locations, **doc).validate()
         except (ValueError, TypeError, AttributeError) as exc:
             raise RecordError(f"malformed adapter record: {exc}") from exc

@@ -39,3 +39,10 @@ class AdapterInfo:
     target_modules: tuple[str, ...] = field(default=())
     base_model: str | None = None
     source: str | None = None
+    # activated LoRA (PEFT's `alora_invocation_tokens`): the delta applies only from the last
+    # occurrence of these tokens in a prompt on; empty for a standard LoRA
+    invocation_tokens: tuple[int, ...] = ()
+
+    @property
+    def is_alora(self) -> bool:
+        return bool(self.invocation_tokens)

@@ -51,7 +51,6 @@ _UNSUPPORTED_FEATURES = {
     "layer_replication": "layer_replication is not supported",
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
     "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QA-LoRA (use_qalora) is not supported",
     "use_bdlora": "BD-LoRA (use_bdlora) is not supported",
     "arrow_config": "Arrow routing (arrow_config) is not supported",
@@ -95,7 +94,8 @@ def load_peft_adapter(name: str, path: str | Path, model: ModelConfig, max_rank:
     info = AdapterInfo(
         id=AdapterId(name, digest), rank=max(ranks.values()), size_bytes=weights_path.stat().st_size,
         target_modules=tuple(m for m in LORA_MODULES if m in ranks),
-        base_model=config.get("base_model_name_or_path") or None, source=str(path))
+        base_model=config.get("base_model_name_or_path") or None, source=str(path),
+        invocation_tokens=_invocation_tokens(config, model))
     return HostAdapter(info=info, scaling=default_scaling, weights=weights)
 
 
@@ -129,6 +129,19 @@ def _check_features(config: dict) -> None:
     bias = config.get("bias", "none")
     if bias != "none":
         raise AdapterError(f"bias={bias!r} is not supported; only bias='none' (no trained biases)")
+
+
+def _invocation_tokens(config: dict, model: ModelConfig) -> tuple[int, ...]:
+    """An activated LoRA's invocation token ids (PEFT's `alora_invocation_tokens`); () otherwise."""
+    tokens = config.get("alora_invocation_tokens")
+    if tokens is None:
+        return ()
+    valid = isinstance(tokens, list) and tokens and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < model.vocab_size for t in tokens)
+    if not valid:
+        raise AdapterError(f"alora_invocation_tokens must be a non-empty list of token ids below the vocabulary "
+                           f"size {model.vocab_size}, not {tokens!r}")
+    return tuple(tokens)
 
 
 def _rank_and_alpha(config: dict) -> tuple[int, float, bool]:

@@ -61,6 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def _tiny_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output folder: OUT/base holds the model, OUT/adapters/* the adapters")
     p.add_argument("--adapters", type=int, default=4, help="number of random PEFT adapters")
+    p.add_argument("--alora-adapters", type=int, default=0,
+                   help="number of activated LoRA adapters (aloraNN: loraNN's weights, invoked by '<|check|>\\n')")
     p.add_argument("--ranks", default="8,16,32,64", help="adapter ranks, cycled")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden-size", type=int, default=256)

@@ -4,7 +4,7 @@ Adapters live in the KV page pool (`loraplex_kernels.lora_pages`). Per step it (
 KV blocks to the host tier, forgets evicted adapters and starts adapter loads and KV swap-ins (in
 the background through the `CopyEngine`, or now when synchronous), (2) orders the chunks as decode
 rows first, then prefill chunks, each part grouped by adapter, so every adapter's tokens form one
-contiguous LoRA segment, (3) turns chunks into positions, cache slots and block tables, (4) runs the
+contiguous LoRA segment (an activated LoRA's rows before its invocation belong to none), (3) turns chunks into positions, cache slots and block tables, (4) runs the
 model, (5) samples the rows that end a chunk with `sample=True` and (6) reports finished copies.
 """
 
@@ -206,8 +206,9 @@ class TorchExecutor:
         return record, job
 
     def _row_order(self, chunk: ScheduledChunk) -> tuple[bool, int, int]:
-        """Decode rows first, then prefill chunks; each part grouped by adapter handle."""
-        return chunk.num_tokens > 1, chunk.adapter_slot, 0
+        """Decode rows first, then prefill chunks; each part grouped by adapter handle (a decode row
+        of an activated LoRA whose prompt lacks the invocation runs with the base rows)."""
+        return chunk.num_tokens > 1, chunk.adapter_slot_at(chunk.start_position), 0
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict:
         if self.capture_logits:
@@ -280,7 +281,10 @@ class StepRows:
             rows.ids.extend(chunk.token_ids)
             rows.positions.extend(span)
             rows.slots.extend(chunk.block_ids[p // block_size] * block_size + p % block_size for p in span)
-            rows.row_slots.extend([chunk.adapter_slot] * chunk.num_tokens)
+            if chunk.adapter_from <= chunk.start_position:
+                rows.row_slots.extend([chunk.adapter_slot] * chunk.num_tokens)
+            else:  # an activated LoRA: the rows before its invocation run on the base model
+                rows.row_slots.extend(chunk.adapter_slot_at(p) for p in span)
             if chunk.sample:
                 rows.sample_rows.append(len(rows.ids) - 1)
             if chunk.sampling.prompt_logprobs is not None and (wanted := PromptRows.of(chunk, row)):

@@ -39,6 +39,7 @@ class TextDelta:
     num_output_tokens: int
     cumulative_logprob: float = 0.0  # sum over every generated token so far (EOS included); 0 without logprobs
     prompt_logprobs: list[SampledToken | None] | None = None  # in the first delta, when asked for
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: ServerMetrics,
@@ -61,7 +62,8 @@ async def generate_text(engine: AsyncEngine, tokenizer: Tokenizer, metrics: Serv
                 logprobs = output.new_logprobs[:len(text_ids)] if job.sampling.logprobs is not None else []
                 cumulative += sum(t.logprob for t in output.new_logprobs if t.logprob is not None)
                 yield TextDelta(text, text_ids, logprobs, finish, output.num_prompt_tokens,
-                                output.num_output_tokens, cumulative, output.prompt_logprobs)
+                                output.num_output_tokens, cumulative, output.prompt_logprobs,
+                                output.num_cached_tokens)
                 if finish is not None:
                     reason = finish
                     return  # leaving `aclosing` aborts a request cut short by a stop string

@@ -55,8 +55,10 @@ async def _collect(ctx: ServingContext, req: ChatCompletionRequest, choices: Cho
 
 
 def _usage(last: list[TextDelta]) -> Usage:
-    """The prompt once, and the generated tokens of every choice."""
-    return Usage.of(last[0].num_prompt_tokens, sum(delta.num_output_tokens for delta in last))
+    """The prompt once (and its cached tokens, as the first choice found them), and the generated
+    tokens of every choice."""
+    return Usage.of(last[0].num_prompt_tokens, sum(delta.num_output_tokens for delta in last),
+                    last[0].num_cached_tokens)
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: Choices) -> AsyncIterator[str]:

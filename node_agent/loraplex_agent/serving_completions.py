@@ -72,8 +72,10 @@ def _best(texts: list[_ChoiceText], n: int) -> list[_ChoiceText]:
 
 
 def _usage(texts: list[_ChoiceText]) -> Usage:
-    """The prompt once, and every generated token of every sequence (best_of's discarded ones too)."""
-    return Usage.of(texts[0].last.num_prompt_tokens, sum(t.last.num_output_tokens for t in texts))
+    """The prompt once (and its cached tokens, as the first sequence found them), and every
+    generated token of every sequence (best_of's discarded ones too)."""
+    return Usage.of(texts[0].last.num_prompt_tokens, sum(t.last.num_output_tokens for t in texts),
+                    texts[0].last.num_cached_tokens)
 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, choices: Choices,

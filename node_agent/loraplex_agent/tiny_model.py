@@ -11,6 +11,9 @@ Layout:
 
 Adapters are named "lora00-r8", "lora01-r16", ...; their `base_model_name_or_path` is "base", the
 base folder's name, which is what adapter validation compares with (see docs/adapters.md).
+Activated LoRA adapters (`--alora-adapters N`) are named "alora00-r8", ...: aloraNN has loraNN's
+rank and weights, and PEFT's `alora_invocation_tokens` are the token ids of `INVOCATION`, which
+tokenizes to the same ids wherever it follows whitespace, a letter or a special token.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")  # ids 0, 1, 2
 LORA_INIT_STD = 0.05
 BASE_INIT_STD = 0.02
 TOKENIZER_CORPUS_CHARS = 2_000_000
+INVOCATION = "<|check|>\n"  # the tiny aLoRA adapters' invocation
 
 # Role-tagged turns; the bos token is part of the template, so the rendered text is tokenized
 # without adding special tokens again (the Hugging Face / vLLM convention).
@@ -59,21 +63,33 @@ class TinyModel:
 
 def make_tiny_model(out: Path, num_adapters: int = 4, ranks: Sequence[int] = (8, 16, 32, 64),
                     seed: int = 0, hidden_size: int = 256, num_layers: int = 4,
-                    vocab_size: int = 8000) -> TinyModel:
-    """Write a tiny random Llama model to OUT/base and `num_adapters` PEFT adapters to OUT/adapters."""
-    _check_arguments(num_adapters, ranks, hidden_size, num_layers, vocab_size)
+                    vocab_size: int = 8000, alora_adapters: int = 0) -> TinyModel:
+    """Write a tiny random Llama model to OUT/base, `num_adapters` PEFT adapters and
+    `alora_adapters` activated LoRA adapters (invoked by `INVOCATION`) to OUT/adapters."""
+    _check_arguments(num_adapters + alora_adapters, ranks, hidden_size, num_layers, vocab_size)
+    if alora_adapters < 0:
+        raise ValueError(f"the number of aLoRA adapters must be >= 0, not {alora_adapters}")
     out = Path(out)
     base_dir = out / BASE_DIR_NAME
     base_dir.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(base_dir, vocab_size)
     model = _make_base_model(hidden_size, num_layers, vocab_size, seed)
     model.save_pretrained(base_dir, safe_serialization=True)
-    adapters = write_random_adapters(model, out / "adapters", num_adapters, ranks, seed, BASE_DIR_NAME)
+    invocation = invocation_tokens(base_dir) if alora_adapters else ()
+    adapters = write_random_adapters(model, out / "adapters", num_adapters, ranks, seed, BASE_DIR_NAME,
+                                     alora_adapters=alora_adapters, invocation=invocation)
     return TinyModel(base_dir=base_dir, adapters=adapters)
 
 
-def adapter_name(index: int, rank: int) -> str:
-    return f"lora{index:02d}-r{rank}"
+def adapter_name(index: int, rank: int, alora: bool = False) -> str:
+    return f"{'alora' if alora else 'lora'}{index:02d}-r{rank}"
+
+
+def invocation_tokens(base_dir: Path) -> list[int]:
+    """`INVOCATION` tokenized by the tiny model's tokenizer in `base_dir`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_dir).encode(INVOCATION, add_special_tokens=False)
 
 
 def _check_arguments(num_adapters: int, ranks: Sequence[int], hidden_size: int, num_layers: int,
@@ -156,27 +172,33 @@ def _make_base_model(hidden_size: int, num_layers: int, vocab_size: int, seed: i
 # ---- adapters ----
 
 def write_random_adapters(model, adapters_dir: Path, num_adapters: int, ranks: Sequence[int], seed: int,
-                          base_name: str) -> dict[str, Path]:
+                          base_name: str, alora_adapters: int = 0,
+                          invocation: Sequence[int] = ()) -> dict[str, Path]:
     """Random PEFT LoRA adapters for a loaded transformers model (which PEFT then wraps in place):
-    A and B ~ N(0, 0.05) under a per-adapter seed, on all seven projections, lora_alpha = 2 r."""
-    if num_adapters == 0:
+    A and B ~ N(0, 0.05) under a per-adapter seed, on all seven projections, lora_alpha = 2 r; then
+    `alora_adapters` activated LoRAs on `invocation`, the i-th with the i-th adapter's rank and weights."""
+    if num_adapters + alora_adapters == 0:
         return {}
+    if alora_adapters and not invocation:
+        raise ValueError("aLoRA adapters need invocation tokens")
     from peft import LoraConfig, get_peft_model
 
     model.name_or_path = base_name  # PEFT copies it into each adapter's base_model_name_or_path
 
-    names = [adapter_name(i, ranks[i % len(ranks)]) for i in range(num_adapters)]
+    specs = [(i, False) for i in range(num_adapters)] + [(i, True) for i in range(alora_adapters)]
+    names = [adapter_name(i, ranks[i % len(ranks)], alora) for i, alora in specs]
     configs = [LoraConfig(r=ranks[i % len(ranks)], lora_alpha=2 * ranks[i % len(ranks)],
                           target_modules=list(ADAPTER_MODULES), lora_dropout=0.0, bias="none",
                           init_lora_weights=False, task_type="CAUSAL_LM",
-                          base_model_name_or_path=base_name)
-               for i in range(num_adapters)]
+                          base_model_name_or_path=base_name,
+                          alora_invocation_tokens=list(invocation) if alora else None)
+               for i, alora in specs]
     with warnings.catch_warnings():  # transformers' deprecation notices about PEFT's own calls
         warnings.simplefilter("ignore", FutureWarning)
         peft_model = get_peft_model(model, configs[0], adapter_name=names[0])
     for name, config in zip(names[1:], configs[1:], strict=True):
         peft_model.add_adapter(name, config)
-    for index, name in enumerate(names):
+    for (index, _), name in zip(specs, names, strict=True):
         _fill_lora_weights(peft_model, name, seed=seed * 1_000_003 + index + 1)
         # PEFT saves a non-default adapter into <dir>/<adapter name>. save_embedding_layers=False
         # skips PEFT's look-up of the base model's config (on the Hub when the folder is not found).
@@ -215,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         tiny = make_tiny_model(Path(args.out), num_adapters=args.adapters, ranks=parse_ranks(args.ranks),
                                seed=args.seed, hidden_size=args.hidden_size, num_layers=args.layers,
-                               vocab_size=args.vocab_size)
+                               vocab_size=args.vocab_size, alora_adapters=args.alora_adapters)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     print(f"base model: {tiny.base_dir}")

@@ -21,6 +21,7 @@ from loraplex.routing import (
 )
 from loraplex.spec.crd import AdapterPoolSpec, LoRADeploymentSpec, LoRADeploymentStatus
 from loraplex_operator.adapter_status import (
+    ALORA_UNSUPPORTED,
     RANK_TOO_LARGE,
     AdapterView,
     Event,
@@ -62,6 +63,15 @@ def rank_too_large(rank: int, pool: AdapterPoolSpec) -> str | None:
     if rank <= pool.engine.max_lora_rank:
         return None
     return f"rank {rank} exceeds the pool's engine.maxLoraRank {pool.engine.max_lora_rank}"
+
+
+def alora_unservable(record: AdapterRecord, pool: AdapterPoolSpec) -> str | None:
+    """Why the pool cannot serve an activated LoRA: the vllm backend applies every adapter to the
+    whole prompt (vLLM has no aLoRA), so it would compute something else than the adapter was trained for."""
+    if not record.is_alora or pool.engine.backend != "vllm":
+        return None
+    return ("the adapter is an activated LoRA (alora_invocation_tokens) and the pool runs engine.backend "
+            "vllm, which cannot serve one: deploy it to a pool on the loraplex engine")
 
 
 def _record(ref: ObjectRef, spec: LoRADeploymentSpec, pool: AdapterPoolSpec, deps: Deps) -> AdapterRecord:
@@ -144,6 +154,11 @@ def _prepare(r: Registration, deps: Deps, now: float) -> Registered | AdapterRec
         if too_large:
             _unregister(r.ref.name, r.spec.pool, deps)
             return Registered(blocked_status("Failed", RANK_TOO_LARGE, too_large, r.generation, r.previous, now,
+                                             record.rank, record.digest))
+        no_alora = alora_unservable(record, r.pool)
+        if no_alora:
+            _unregister(r.ref.name, r.spec.pool, deps)
+            return Registered(blocked_status("Failed", ALORA_UNSUPPORTED, no_alora, r.generation, r.previous, now,
                                              record.rank, record.digest))
         deps.routes(r.spec.pool).copies[r.ref.name] = r.spec.replicas.min
         if existing is not None and existing.to_json() == record.to_json():

@@ -46,6 +46,8 @@ NO_SLOTS = "NoAdapterSlots"
 PLACEMENT_REASONS = frozenset({UNPLACEABLE, NO_SLOTS})
 # The Failed reason that follows the pool's engine.maxLoraRank: cleared when the pool is raised again.
 RANK_TOO_LARGE = "RankTooLarge"
+# The Failed reason of an activated LoRA deployed to a pool on the vllm backend.
+ALORA_UNSUPPORTED = "ActivatedLoRAUnsupported"
 # Reasons the pool's tick keeps up to date once the adapter's handler registered its generation. Every
 # other reason is the handler's (it retries, or the spec must change), and the tick leaves it alone,
 # so a status never alternates between the two writers.

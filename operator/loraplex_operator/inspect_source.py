@@ -61,13 +61,13 @@ class SourceInspector:
             return declared
         headers = {"Authorization": f"Bearer {credentials['HF_TOKEN']}"} if "HF_TOKEN" in credentials else {}
         try:
-            rank, modules = config_facts(self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers))
-            check_declared(adapter, rank)
+            config = config_facts(self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers))
+            check_declared(adapter, config.rank)
             digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
-            check_declared(adapter, rank, digest)
+            check_declared(adapter, config.rank, digest)
         except AdapterFactsError as exc:
             raise InspectionError(exc.reason, exc.message) from exc
-        return AdapterFacts(digest, rank, size, modules)
+        return config.with_weights(digest, size)
 
     def _open(self, url: str, headers: Mapping[str, str]):  # noqa: ANN202 - an http.client response
         try:

@@ -18,8 +18,9 @@ through, the answer is committed to that server. An attempt fails before its fir
 
 With a prefix-aware profile the proxy keeps the router's prefix index (`loraplex.routing.prefix`):
 each pick reads how many leading prefix blocks of the request every candidate holds, and records
-the request's blocks for the server it chose. The blocks matched on the server that answers are
-taken out of the request's demand (`loraplex.routing.demand.demand_tokens`): that prefill is cached.
+the request's blocks for the server it chose. The prompt tokens the server reports cached
+(`usage.prompt_tokens_details.cached_tokens`), else the blocks matched on the server that answers,
+are taken out of the request's demand (`loraplex.routing.demand.demand_tokens`): that prefill is cached.
 
 Deadline misses and failed connections feed the outlier detector (`loraplex.routing.outliers`);
 no request picks an ejected server until its ejection ends. A server ejected for silence is also
@@ -41,7 +42,14 @@ from fastapi.responses import Response, StreamingResponse
 from loraplex.routing.demand import demand_tokens
 from loraplex.routing.outliers import Failure, Outcome, OutlierConfig, OutlierDetector, TtfbDeadline
 from loraplex.routing.pipeline import Candidate, NoCandidateError, Profile, prefix_config
-from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, body_keys, chunk_tokens
+from loraplex.routing.prefix import (
+    PrefixConfig,
+    PrefixIndex,
+    adapter_seed,
+    alora_body_keys,
+    body_keys,
+    chunk_tokens,
+)
 from loraplex.spec.errors import OverloadedError
 from loraplex_router.demand import DemandCounter
 from loraplex_router.errors import UpstreamError
@@ -153,6 +161,8 @@ class Proxy:
         if index is None:
             return []
         record = snapshot.adapters.get(adapter) if adapter is not None else None
+        if record is not None and record.is_alora:
+            return alora_body_keys(record.invocation_tokens, body, index.config.chunk_chars)
         return body_keys(adapter_seed(adapter, record.digest if record else ""), body, index.config.chunk_chars)
 
     def _prefix_index(self) -> PrefixIndex | None:
@@ -466,7 +476,7 @@ class Proxy:
         self.metrics.tokens.labels(label, "completion").inc(usage.completion_tokens)
         if fwd.adapter is not None:
             self.demand.add(fwd.adapter, demand_tokens(usage.prompt_tokens, usage.completion_tokens,
-                                                       fwd.cached_blocks, fwd.block_tokens))
+                                                       fwd.cached_blocks, fwd.block_tokens, usage.cached_tokens))
 
     def _finish(self, fwd: Forward, status: int) -> None:
         self.metrics.requests.labels(fwd.model, str(status)).inc()

@@ -15,13 +15,17 @@ from dataclasses import dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # prompt_tokens_details.cached_tokens, when the server reports it
 
     @classmethod
     def from_body(cls, doc: object) -> Usage | None:
         usage = doc.get("usage") if isinstance(doc, dict) else None
         if not isinstance(usage, dict):
             return None
-        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+                   cached if isinstance(cached, int) and not isinstance(cached, bool) else None)
 
 
 class UsageTap:

@@ -98,3 +98,23 @@ def test_rank_and_alpha_patterns_match_peft(tiny_model, model_config, tmp_path) 
         peft_layer = peft_model.get_submodule(f"base_model.model.model.layers.{layer}.{parent}.{module}")
         expected = peft_layer.get_delta_weight("default")
         torch.testing.assert_close(adapter.scaling * lora_b @ lora_a, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_loads_activated_lora(tiny_alora_model, model_config) -> None:
+    from loraplex_agent.tiny_model import invocation_tokens
+
+    adapter = load_peft_adapter("alora00-r8", tiny_alora_model.adapters["alora00-r8"], model_config, 64)
+    standard = load_peft_adapter("lora00-r8", tiny_alora_model.adapters["lora00-r8"], model_config, 64)
+    assert adapter.info.is_alora and not standard.info.is_alora
+    assert list(adapter.info.invocation_tokens) == invocation_tokens(tiny_alora_model.base_dir)
+    assert adapter.id.digest == standard.id.digest  # aloraNN has loraNN's weights
+
+
+@pytest.mark.parametrize("tokens", [[], [1, "x"], [-1], [10**9], [True], "<|check|>"])
+def test_bad_invocation_refused(copy_adapter, model_config, config_editor, tokens) -> None:
+    from loraplex.spec.errors import AdapterError
+
+    folder = copy_adapter("lora00-r8")
+    config_editor(folder, alora_invocation_tokens=tokens)
+    with pytest.raises(AdapterError, match="alora_invocation_tokens must be"):
+        load_peft_adapter("bad", folder, model_config, 64)

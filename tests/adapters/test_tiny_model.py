@@ -55,8 +55,9 @@ def test_command_arguments(tmp_path, capsys) -> None:
         with pytest.raises(CommandError, match="--ranks"):
             parse_ranks(bad)
     args = argparse.Namespace(out=str(tmp_path), adapters=1, ranks="4", seed=1, hidden_size=64, layers=1,
-                              vocab_size=400)
+                              vocab_size=400, alora_adapters=1)
     assert run(args) == 0
-    assert "adapter lora00-r4: rank 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "adapter lora00-r4: rank 4" in out and "adapter alora00-r4: rank 4" in out
     with pytest.raises(CommandError, match="hidden size"):
         run(argparse.Namespace(**{**vars(args), "hidden_size": 30}))

@@ -103,6 +103,11 @@ def test_adapter_folders_are_read_without_torch(tiny_model, tmp_path):
         read_adapter_info("missing", tmp_path)
 
 
+def test_activated_lora_refused_by_the_vllm_backend(tiny_alora_model):
+    with pytest.raises(AdapterError, match="activated LoRA .* vllm backend cannot serve it"):
+        read_adapter_info("alora00-r8", tiny_alora_model.adapters["alora00-r8"])
+
+
 def test_the_vllm_command_line(tmp_path):
     launch = VllmLaunch(python="py", model="/m", served_model_name="base", host="0.0.0.0", port=8001,
                         agent_url="http://127.0.0.1:8000", max_model_len=512, max_lora_rank=32, max_loras=2,

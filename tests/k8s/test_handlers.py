@@ -27,7 +27,9 @@ def adapter_server() -> Iterator[str]:
         "/sql/resolve/main/adapter_config.json": json.dumps({"r": 16, "target_modules": ["q_proj"]}).encode(),
         "/sql/resolve/main/adapter_model.safetensors": weights,
         "/big/resolve/main/adapter_config.json": json.dumps({"r": 128}).encode(),
-        "/big/resolve/main/adapter_model.safetensors": weights}) as url:
+        "/big/resolve/main/adapter_model.safetensors": weights,
+        "/checker/resolve/main/adapter_config.json": json.dumps({"r": 8, "alora_invocation_tokens": [30, 94, 922]}).encode(),
+        "/checker/resolve/main/adapter_model.safetensors": weights}) as url:
         yield url
 
 
@@ -107,6 +109,19 @@ def test_rank_above_the_pool_limit_fails_with_a_reason(world: World) -> None:
     assert (status["phase"], status["reason"]) == ("Failed", "RankTooLarge")
     assert world.deps.store("tiny").get_adapter("big") is None
     assert world.events.posted[-1][1].type == "Warning"
+
+
+def test_an_activated_lora_is_registered_as_one_and_fails_on_a_vllm_pool(world: World) -> None:
+    world.heartbeat("tiny", "tiny-0")
+    world.create("LoRADeployment", "checker", {"pool": "tiny", "adapter": {"source": "hf://checker"}}, "c-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "checker")
+    assert world.stores["tiny"].get_adapter("checker").invocation_tokens == (30, 94, 922)
+    assert world.status("LoRADeployment", "checker")["phase"] != "Failed"
+    _pool(world, engine={"backend": "vllm"})
+    world.call(handlers.adapter_changed, "LoRADeployment", "checker")
+    status = world.status("LoRADeployment", "checker")
+    assert (status["phase"], status["reason"]) == ("Failed", "ActivatedLoRAUnsupported")
+    assert "vllm" in status["message"] and world.stores["tiny"].get_adapter("checker") is None
 
 
 def test_missing_pool_is_pending_and_retried(world: World) -> None:

@@ -114,3 +114,19 @@ def test_placement_due() -> None:
     assert placement_due(None, 60, 0)
     assert not placement_due("1970-01-01T00:01:00Z", 60, 119)
     assert placement_due("1970-01-01T00:01:00Z", 60, 120)
+
+
+def test_an_activated_lora_is_unservable_on_the_vllm_backend_only() -> None:
+    from loraplex_operator.adapter_reconcile import alora_unservable
+
+    from loraplex.spec.crd import AdapterPoolSpec
+
+    def pool(backend: str) -> AdapterPoolSpec:
+        return AdapterPoolSpec.model_validate({"baseModel": {"name": "tiny", "source": "file:///m"},
+                                               "engine": {"backend": backend, "maxLoraRank": 64}})
+
+    alora = AdapterRecord("c", "sha256:" + "0" * 64, 8, 1, "file:///c", invocation_tokens=(5, 6))
+    standard = AdapterRecord("s", "sha256:" + "0" * 64, 8, 1, "file:///s")
+    assert "activated LoRA" in alora_unservable(alora, pool("vllm"))
+    assert alora_unservable(alora, pool("loraplex")) is None
+    assert alora_unservable(standard, pool("vllm")) is None

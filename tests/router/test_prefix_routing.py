@@ -8,7 +8,10 @@ import re
 import httpx
 from openai import OpenAI
 
+from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
+
+BASE, DIGEST = "tiny-base", "sha256:" + "0" * 64  # the router environment's (tests/router/conftest.py)
 
 
 def converse(client: OpenAI, adapter: str, index: int, turns: int) -> list[str]:
@@ -55,3 +58,23 @@ def test_loraserve_keeps_no_index(router_env) -> None:
     client = OpenAI(base_url=router_env.router.url + "/v1", api_key="none")
     converse(client, "b", 0, 2)
     assert counter(httpx.get(router_env.router.url + "/metrics").text, "requested") == 0
+
+
+def test_an_alora_checker_goes_where_its_conversation_is(make_router_env) -> None:
+    """The checker's record carries its invocation: its request is keyed as the base model's, so it
+    follows the base model's answer to the server that holds the conversation's KV."""
+    env = make_router_env(profile="prefix-aware")
+    env.store.put_adapter(AdapterRecord("chk", DIGEST, 8, 1000, "file:///adapters/chk", invocation_tokens=(7, 8)))
+    env.publish({"chk": {"s0": 0.3, "s1": 0.3, "s2": 0.4}, "b": {"s0": 0.3, "s1": 0.3, "s2": 0.4}})
+    client = OpenAI(base_url=env.router.url + "/v1", api_key="none")
+    pairs = []
+    for index in range(12):
+        messages = [{"role": "system", "content": f"You are assistant number {index}. " * 8},
+                    {"role": "user", "content": "why? " * 20}]
+        answer = client.chat.completions.with_raw_response.create(model=BASE, messages=messages, max_tokens=8)
+        messages += [{"role": "assistant", "content": answer.parse().choices[0].message.content},
+                     {"role": "user", "content": "<|check|>\nIs the answer supported?"}]
+        check = client.chat.completions.with_raw_response.create(model="chk", messages=messages, max_tokens=2)
+        pairs.append((answer.headers["x-loraplex-server"], check.headers["x-loraplex-server"]))
+    assert all(base == checker for base, checker in pairs), pairs
+    assert len({base for base, _ in pairs}) > 1

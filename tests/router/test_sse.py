@@ -32,3 +32,14 @@ def test_usage_is_read_and_the_usage_chunk_dropped_whatever_the_chunking():
 def test_the_usage_chunk_is_kept_when_the_client_asked_for_it():
     tap = UsageTap(forward_usage_chunk=True)
     assert feed_in_pieces(tap, STREAM, 10) == STREAM
+
+
+def test_the_reported_cached_tokens_are_read():
+    cached = event({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 2,
+                                             "prompt_tokens_details": {"cached_tokens": 32}}})
+    tap = UsageTap(forward_usage_chunk=False)
+    feed_in_pieces(tap, cached, 5)
+    assert tap.usage.cached_tokens == 32
+    tap = UsageTap(forward_usage_chunk=False)
+    feed_in_pieces(tap, STREAM, 5)
+    assert tap.usage.cached_tokens is None  # a server that does not report it: the index's guess stands

@@ -22,3 +22,8 @@ def test_demand_tokens(prompt: int, output: int, blocks: int, block: int, expect
 def test_a_chunk_stands_for_a_block_of_tokens() -> None:
     assert chunk_tokens(PrefixConfig().chunk_chars) == 16  # 64 characters, about four a token
     assert chunk_tokens(4) == 1
+
+
+@pytest.mark.parametrize("reported, expected", [(0, 1050), (640, 410), (992, 58), (5000, 50)])
+def test_the_servers_reported_cached_tokens_replace_the_prediction(reported: int, expected: int) -> None:
+    assert demand_tokens(1000, 50, 10, 16, reported_cached=reported) == expected

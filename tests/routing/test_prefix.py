@@ -12,6 +12,7 @@ from loraplex.routing.prefix import (
     PrefixConfig,
     PrefixIndex,
     adapter_seed,
+    alora_body_keys,
     body_keys,
     cached_match,
     chunk_tokens,
@@ -37,6 +38,18 @@ def test_keys_differ_by_adapter_and_digest() -> None:
     body = chat("same system prompt " * 10)
     keys = {tuple(body_keys(adapter_seed(a, d), body, 64)) for a, d in (("a", "1"), ("a", "2"), ("b", "1"))}
     assert len(keys) == 3
+
+
+def test_an_activated_loras_request_is_keyed_as_the_base_models_before_its_invocation() -> None:
+    base = adapter_seed(None)
+    conversation = chat("you help " * 20, "question one " * 10, "answer " * 30)
+    checker = chat("you help " * 20, "question one " * 10, "answer " * 30, "<|check|> supported?")
+    base_keys = body_keys(base, conversation, 64)
+    assert alora_body_keys([7, 8], checker, 64)[:len(base_keys)] == base_keys  # text: keyed whole as the base's
+    tokens = list(range(100, 150)) + [7, 8] + list(range(20))
+    assert alora_body_keys([7, 8], {"prompt": tokens}, 64) == token_keys(base, tokens[:50], 16)
+    absent = list(range(100, 180))  # no invocation: the base model runs throughout
+    assert alora_body_keys([7, 8], {"prompt": absent}, 64) == token_keys(base, absent, 16)
 
 
 def test_only_full_chunks_get_keys() -> None:

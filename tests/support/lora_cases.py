@@ -102,9 +102,12 @@ def make_pool(ranks: list[int], *, seed: int = 0, dtype: torch.dtype = torch.flo
 
 def executor_rows(rng: random.Random, num_adapters: int) -> list[int]:
     """Decode rows (one per request) grouped by adapter, then prefill chunks of random lengths,
-    with base-model rows in both parts: the executor's order."""
+    with base-model rows in both parts: the executor's order. An activated LoRA's chunk starts with
+    base rows (those before its invocation), so one adapter may own several segments."""
     decode = sorted(rng.choice([NO_ADAPTER, *range(num_adapters)]) for _ in range(rng.randint(0, 40)))
     rows = list(decode)
     for _ in range(rng.randint(0, 4)):
-        rows += [rng.choice([NO_ADAPTER, *range(num_adapters)])] * rng.randint(2, 70)
+        handle = rng.choice([NO_ADAPTER, *range(num_adapters)])
+        before_invocation = rng.randint(1, 20) if handle != NO_ADAPTER and rng.random() < 0.3 else 0
+        rows += [NO_ADAPTER] * before_invocation + [handle] * rng.randint(2, 70)
     return rows

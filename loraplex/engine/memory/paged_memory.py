@@ -234,8 +234,9 @@ class PagedMemory:
     def begin(self, request: Request) -> bool:
         if not self.keeps_prefixes or not request.reuses_cached_prefix:
             return True
-        usable = (request.num_tokens - 1) // self.block_size  # one token is always computed: it samples
-        chain = self.tree.match(request.adapter, request.token_slice(0, usable * self.block_size)).blocks
+        adapter, keyed = request.cache_key
+        usable = min(request.num_tokens - 1, keyed) // self.block_size  # one token is always computed: it samples
+        chain = self.tree.match(adapter, request.token_slice(0, usable * self.block_size)).blocks
         on_device = next((i for i, n in enumerate(chain) if n.tier is not Tier.DEVICE), len(chain))
         if on_device < len(chain):
             anchor = chain[on_device - 1] if on_device else None
@@ -249,6 +250,8 @@ class PagedMemory:
         chain = chain[:on_device]
         self.counts["prefix_queries_tokens"] += request.num_prompt_tokens
         self.counts["prefix_hit_tokens"] += min(len(chain) * self.block_size, request.num_prompt_tokens)
+        if not request.num_preemptions:  # what the client saved: its first admission's hit
+            request.num_cached_tokens = len(chain) * self.block_size
         if chain:
             self.tree.lock(chain[-1])
             self._locks[request.request_id] = chain[-1]
@@ -273,10 +276,11 @@ class PagedMemory:
         shared = self._shared.pop(request.request_id, 0)
         locked = self._locks.pop(request.request_id, None)
         own = request.block_ids[shared:]
-        if self.keeps_prefixes and request.adapter not in self._retiring:
-            full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        adapter, keyed = request.cache_key
+        if self.keeps_prefixes and adapter not in self._retiring:
+            full = min(min(request.num_computed_tokens, keyed) // self.block_size, len(request.block_ids))
             tokens = request.token_slice(0, full * self.block_size)
-            inserted = self.tree.insert(request.adapter, tokens, request.block_ids[:full])
+            inserted = self.tree.insert(adapter, tokens, request.block_ids[:full])
             kept = set(request.block_ids[shared:full]) - set(inserted.unadopted)
             own = [page for page in own if page not in kept]
         self.pool.free(own)

@@ -216,7 +216,8 @@ class BatchScheduler:
                 self._finish(request, reason)  # dropped from the running list below
                 finished = True
             outputs.append(RequestOutput(chunk.request_id, [token_id], [token], len(request.prompt_token_ids),
-                                         len(tokens), reason is not None, reason))
+                                         len(tokens), reason is not None, reason,
+                                         num_cached_tokens=request.num_cached_tokens))
         if finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status is running]
         return outputs
@@ -288,7 +289,7 @@ class BatchScheduler:
         return ScheduledChunk(
             request.request_id, tokens, start, request.block_ids,
             self._slots.get(request.request_id, NO_ADAPTER_SLOT),
-            start + num_tokens == num_prompt + num_output, request.sampling, num_output)
+            start + num_tokens == num_prompt + num_output, request.sampling, num_output, request.adapter_from)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.num_preemptions += 1

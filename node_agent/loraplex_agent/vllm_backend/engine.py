@@ -97,6 +97,9 @@ def read_adapter_info(name: str, folder: str | Path) -> AdapterInfo:
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"adapter {name!r}: adapter_config.json has no positive rank 'r'")
+    if config.get("alora_invocation_tokens"):
+        raise AdapterError(f"adapter {name!r} is an activated LoRA (alora_invocation_tokens); the vllm backend "
+                           "cannot serve it: use a pool on the loraplex engine")
     ranks = [rank, *(v for v in (config.get("rank_pattern") or {}).values() if isinstance(v, int))]
     modules = config.get("target_modules") or ()
     modules = (modules,) if isinstance(modules, str) else tuple(sorted(modules))
