@@ -131,8 +131,13 @@ def _gpu_args(p: argparse.ArgumentParser) -> None:
                    help="model shape (default: llama2-7b on CUDA, tiny on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None, help="pages of the pool (default 4096; tiny 1024)")
     p.add_argument("--quick", action="store_true", help="batches 1 and 4, up to 4 adapters")
+    p.add_argument("--all", action="store_true",
+                   help="the GPU run: seven parts in order (greedy tokens, kernels, decode, mixed ranks, cold/warm "
+                        "TTFT, policies under memory pressure, the twin's profile), each writing --out DIR/partN-*.json "
+                        "as it ends (docs/benchmarks.md, GPU run)")
+    p.add_argument("--parts", default=None, metavar="N,...", help="only these parts of the GPU run (implies --all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="write the results as JSON here (a folder with --all)")
     add_plots_arg(p, "decode tokens/s and share of the bandwidth bound against the batch, per adapter count; "
                   "attention time against the batch, ours and SDPA")
 

@@ -1,0 +1,275 @@
+"""`loraplex bench gpu --all --out DIR`: the GPU run, seven parts in order, each writing its own JSON.
+
+1. greedy tokens in float32 on the device equal the CPU engine's (8 adapters of mixed ranks);
+2. the Triton kernels against their torch references: error and time (`gpu_kernels`);
+3. decode tokens/s at batch 1, 16, 64 with 0, 1, 32 distinct adapters, fraction of the bandwidth
+   bound, CUDA graphs on and off (`gpu.decode_sweep`);
+4. a rank-8 + rank-128 batch against the sum of its homogeneous halves (`gpu.mixed_ranks`);
+5. cold vs warm adapter TTFT, CPU assist off and on, and the host->device copy bandwidth
+   (`gpu_policies`);
+6. the memory policies (unified vs lru-static) and the schedulers (Chameleon vs FIFO at 0.9x FIFO's
+   capacity) under memory pressure, on the drivers of `bench memory` and `bench schedulers` (`gpu_policies`);
+7. a latency profile fitted on the steps of parts 3-6, written in the shipped profile format, and
+   the twin's error against parts 3 and 6 (`gpu_twin`).
+
+Part N writes DIR/partN-<name>.json as soon as it ends: its status (ok, failed, over budget), the
+error when it failed, its budget and elapsed time, and its results (what ran, also when it failed).
+A failing part never stops the run. Each part has a time budget (`PARTS`, estimated in
+docs/benchmarks.md for an H200); a part checks it between its measurements and stops early, and an
+alarm at HARD_FACTOR x the budget stops one that hangs. On the CPU (`--shape tiny`, the rehearsal
+the tests run) every part runs at CI size; the numbers then say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.spec.errors import CommandError, one_line
+from loraplex_bench import gpu
+from loraplex_bench.gpu_sizes import SIZES, Sizes
+from loraplex_bench.output import write_bench_json
+
+HARD_FACTOR = 1.5  # a part still running at this multiple of its budget is stopped by an alarm
+
+
+class OverBudget(Exception):
+    """Raised by the alarm in a part that ran past HARD_FACTOR x its budget."""
+
+
+@dataclass
+class GpuRun:
+    """What the parts share: the device, the shape, the random model (written once, on first use),
+    the copy bandwidth, the steps recorded for part 7's profile and the earlier parts' results."""
+
+    args: argparse.Namespace
+    device: torch.device
+    shape: str
+    sizes: Sizes
+    workdir: Path
+    out: Path
+    deadline: float = 0.0  # perf_counter() at which the running part's budget ends
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    samples: list = field(default_factory=list)  # (StepFeatures, seconds) of every recorded step
+    shared: dict[str, Any] = field(default_factory=dict)  # part 6's workloads, for part 7's twin
+    _model_dir: Path | None = None
+    _bandwidth: float | None = None
+    _adapter_weights: gpu.AdapterWeights | None = None
+    setup_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    @property
+    def config(self) -> gpu.ModelConfig:
+        return gpu.model_config(self.shape)
+
+    def over(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def model_dir(self) -> Path:
+        """The random model of the shape, written on first use (its time is reported as setup)."""
+        if self._model_dir is None:
+            began = time.perf_counter()
+            self._model_dir = gpu.write_random_model(self.config, gpu.SHAPES[self.shape], self.workdir / "model",
+                                                     self.args.seed, self.device)
+            self.setup_s["model_write_s"] = time.perf_counter() - began
+            print(f"setup: random {self.shape} model written in {self.setup_s['model_write_s']:.1f} s", flush=True)
+        return self._model_dir
+
+    def bandwidth(self) -> float:
+        """Bytes/s of a device-to-device copy (read + write), measured once."""
+        if self._bandwidth is None:
+            self._bandwidth = gpu.device_bandwidth(self.device, (1 << 30) if self.cuda else (1 << 26))
+            print(f"setup: measured copy bandwidth {self._bandwidth / 1e9:.0f} GB/s", flush=True)
+        return self._bandwidth
+
+    def adapter_weights(self) -> gpu.AdapterWeights:
+        if self._adapter_weights is None:
+            self._adapter_weights = gpu.AdapterWeights(self.config, self.device, self.args.seed)
+        return self._adapter_weights
+
+    def bench(self, num_blocks: int, cuda_graphs: bool, **engine: Any) -> gpu.Bench:
+        """A fresh engine over the random model, its steps recorded for part 7."""
+        from loraplex_bench.gpu_twin import record_steps
+
+        bench = gpu.Bench(self.config, self.model_dir(), self.device, self.dtype, engine.pop("max_model_len"),
+                          num_blocks, cuda_graphs and self.cuda, self.args.seed, self.adapter_weights(), **engine)
+        record_steps(bench.core, self.samples)
+        return bench
+
+    def free(self) -> None:
+        """Give the device memory of closed engines back before the next one is built."""
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+# ---- parts 1, 3 and 4: the measurements of `bench gpu` ----------------------------------------------------
+
+def greedy(run: GpuRun, out: dict[str, Any]) -> None:
+    out.update(gpu.greedy_tokens_match(run.device, run.args.seed, run.workdir, run.sizes.greedy_adapters))
+    if not out["identical"]:
+        raise AssertionError(f"greedy tokens differ from the CPU's in requests {out['differing_requests']}")
+
+
+def decode(run: GpuRun, out: dict[str, Any]) -> None:
+    s = run.sizes
+    out.update(prompt_len=s.prompt_len, timed_steps=s.steps, bandwidth_gbps=run.bandwidth() / 1e9,
+               weight_bytes=gpu.weight_bytes(run.config, run.dtype), decode=[])
+    results: list[gpu.DecodeResult] = []
+    try:
+        for graphs in ((True, False) if run.cuda else (False,)):
+            bench = run.bench(s.decode_blocks, graphs, max_model_len=s.prompt_len + 256)
+            try:
+                gpu.decode_sweep(bench, run.dtype, run.bandwidth(), s.prompt_len, s.steps, s.batches,
+                                 s.adapter_counts, graphs, results, run.deadline)
+            finally:
+                bench.close()
+                del bench
+                run.free()
+    finally:
+        out["decode"] = [asdict(d) for d in results]
+        batch1 = [d.bandwidth_fraction for d in results if d.batch == 1 and d.cuda_graphs == run.cuda]
+        out["batch1_bandwidth_fraction"] = max(batch1, default=None)
+        out["goal"] = "batch-1 decode >= 85% of the memory-bandwidth bound"
+
+
+def mixed(run: GpuRun, out: dict[str, Any]) -> None:
+    s = run.sizes
+    bench = run.bench(s.decode_blocks, True, max_model_len=s.prompt_len + 256)
+    try:
+        out.update(asdict(gpu.mixed_ranks(bench, s.prompt_len, s.steps, half=s.mixed_half)))
+        out["goal"] = "lora_cost_ratio <= 1.10"
+    finally:
+        bench.close()
+        del bench
+        run.free()
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Part:
+    number: int
+    name: str
+    budget_s: float  # on an H200 (docs/benchmarks.md derives each from FLOPs and bytes)
+    run: Callable[[GpuRun, dict[str, Any]], None]
+
+    @property
+    def file(self) -> str:
+        return f"part{self.number}-{self.name}.json"
+
+
+def parts() -> list[Part]:
+    from loraplex_bench import gpu_kernels, gpu_policies, gpu_twin
+
+    return [Part(1, "greedy", 45, greedy), Part(2, "kernels", 45, gpu_kernels.run_part),
+            Part(3, "decode", 75, decode), Part(4, "mixed-ranks", 30, mixed),
+            Part(5, "cold-warm", 40, gpu_policies.cold_warm), Part(6, "policies", 150, gpu_policies.policies),
+            Part(7, "twin", 30, gpu_twin.run_part)]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        device = gpu.resolve_device(args.device)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    if not args.out:
+        raise CommandError("--all and --parts write a JSON per part: give the folder with --out DIR")
+    chosen = select(args.parts)
+    shape = args.shape or ("llama2-7b" if device.type == "cuda" else "tiny")
+    if device.type == "cpu":  # the Triton parts run in its interpreter (set before triton is imported)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="loraplex-gpu-run-") as tmp:
+        run_state = GpuRun(args, device, shape, SIZES[shape], Path(tmp), out)
+        for part in chosen:
+            status = run_part(run_state, part)
+            if status != "ok":
+                failed.append(f"{part.number} ({status})")
+    print(f"bench gpu: {len(chosen)} parts in {time.perf_counter() - began:.0f} s; "
+          f"{'all ok' if not failed else 'not ok: ' + ', '.join(failed)}; JSON in {out}")
+    return 1 if failed else 0
+
+
+def select(text: str | None) -> list[Part]:
+    every = parts()
+    if not text or text == "all":
+        return every
+    try:
+        wanted = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise CommandError(f"--parts must be comma-separated part numbers 1-7, not {text!r}") from None
+    if not wanted or not wanted <= {p.number for p in every}:
+        raise CommandError(f"--parts must be comma-separated part numbers 1-7, not {text!r}")
+    return [p for p in every if p.number in wanted]
+
+
+def run_part(run: GpuRun, part: Part) -> str:
+    """Run one part and write its JSON whatever happens; returns its status."""
+    print(f"== part {part.number}: {part.name} (budget {part.budget_s:.0f} s on an H200)", flush=True)
+    out: dict[str, Any] = {}
+    status, error = "ok", None
+    if part.number in (3, 4, 5, 6):
+        run.model_dir()  # the shared setup, outside the part's budget
+        run.bandwidth()
+    began = time.perf_counter()
+    run.deadline = began + part.budget_s
+    try:
+        with alarm(part.budget_s * HARD_FACTOR):
+            part.run(run, out)
+    except OverBudget:
+        status, error = "over budget", f"stopped at {HARD_FACTOR} x its budget of {part.budget_s:g} s"
+    except Exception as exc:  # recorded in the part's JSON; the run goes on to the next part
+        status, error = "failed", f"{type(exc).__name__}: {one_line(exc)}"
+        out["traceback"] = traceback.format_exc(limit=8)
+    elapsed = time.perf_counter() - began
+    run.free()
+    run.results[part.number] = out
+    print(f"part {part.number} {part.name}: {status} in {elapsed:.1f} s" + (f": {error}" if error else ""), flush=True)
+    write_bench_json(run.out / part.file, "bench gpu", run.args, {
+        "part": part.number, "name": part.name, "status": status, "error": error, "budget_s": part.budget_s,
+        "elapsed_s": elapsed, "over_soft_budget": elapsed > part.budget_s, "setup_s": dict(run.setup_s),
+        "device": torch.cuda.get_device_name(run.device) if run.cuda else "cpu", "shape": run.shape,
+        "dtype": str(run.dtype), "results": out})
+    return status
+
+
+@contextmanager
+def alarm(seconds: float) -> Iterator[None]:
+    """OverBudget in this (main) thread after `seconds`; nothing where signals are unavailable."""
+    if not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def fire(signum: int, frame: object) -> None:
+        raise OverBudget
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
