@@ -86,8 +86,9 @@ def policies(run: GpuRun, out: dict[str, Any]) -> None:
     workload = make_sessions(memory_compare.session_spec(mem_args, "engine", s.max_model_len))
     pool = pool_pages(run, list(workload.adapters.values()))
     engine = {"max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs,
-              "max_num_batched_tokens": s.max_batched_tokens, "max_loras": s.max_loras, "num_host_blocks": pool}
-    settings = {"num_pages": pool, "page_bytes": kv_block_bytes(run.config, 16, run.dtype),
+              "max_num_batched_tokens": s.max_batched_tokens, "max_loras": s.max_loras,
+              "num_host_blocks": int(s.host_share * pool)}
+    settings = {"num_pages": pool, "session_horizon_s": s.session_horizon_s, "page_bytes": kv_block_bytes(run.config, 16, run.dtype),
                 "pool_share_of_adapters": s.pool_share, **engine, "sessions": len(workload.sessions),
                 "turns": workload.num_turns, "adapters": len(workload.adapters), "spec": asdict(workload.spec)}
     run.shared.update(pool=pool, engine=engine, sessions=workload)
@@ -100,13 +101,15 @@ def policies(run: GpuRun, out: dict[str, Any]) -> None:
         try:
             bench.add_adapters(list(workload.adapters.values()), names=list(workload.adapters))
             summary = summarize_sessions(run_sessions(bench.core, workload, BenchSide._sleep_until(bench),
-                                                      PromptTokens(run.config.vocab_size, seed=workload.spec.seed)))
+                                                      PromptTokens(run.config.vocab_size, seed=workload.spec.seed),
+                                                      horizon_s=s.session_horizon_s))
         finally:
             bench.close()
             run.free()
         report.results.append(memory_compare.PolicyResult(variant.name, variant.policy, variant.prefix_cache, summary))
         memory_compare.add_ratios(report)
         out["memory"] = asdict(report)
+        out.setdefault("memory_horizon_hit", {})[variant.name] = summary.elapsed_s >= s.session_horizon_s
     memory_compare.print_report(report)
     out["memory_goal"] = f"unified mean TTFT <= {memory_compare.GOAL_RATIO}x lru-static's (FastLibra: <= 0.40x)"
     if not run.over():

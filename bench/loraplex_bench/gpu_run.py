@@ -181,8 +181,8 @@ class Part:
 def parts() -> list[Part]:
     from loraplex_bench import gpu_kernels, gpu_policies, gpu_twin
 
-    return [Part(1, "greedy", 45, greedy), Part(2, "kernels", 45, gpu_kernels.run_part),
-            Part(3, "decode", 75, decode), Part(4, "mixed-ranks", 30, mixed),
+    return [Part(1, "greedy", 60, greedy), Part(2, "kernels", 45, gpu_kernels.run_part),
+            Part(3, "decode", 60, decode), Part(4, "mixed-ranks", 30, mixed),
             Part(5, "cold-warm", 40, gpu_policies.cold_warm), Part(6, "policies", 150, gpu_policies.policies),
             Part(7, "twin", 30, gpu_twin.run_part)]
 
@@ -241,6 +241,8 @@ def run_part(run: GpuRun, part: Part) -> str:
             part.run(run, out)
     except OverBudget:
         status, error = "over budget", f"stopped at {HARD_FACTOR} x its budget of {part.budget_s:g} s"
+    except KeyboardInterrupt:  # `timeout --signal=INT` (scripts/gpu-run.sh): keep what ran, then stop
+        status, error = "interrupted", "stopped by SIGINT (the run's overall time limit)"
     except Exception as exc:  # recorded in the part's JSON; the run goes on to the next part
         status, error = "failed", f"{type(exc).__name__}: {one_line(exc)}"
         out["traceback"] = traceback.format_exc(limit=8)
@@ -253,6 +255,8 @@ def run_part(run: GpuRun, part: Part) -> str:
         "elapsed_s": elapsed, "over_soft_budget": elapsed > part.budget_s, "setup_s": dict(run.setup_s),
         "device": torch.cuda.get_device_name(run.device) if run.cuda else "cpu", "shape": run.shape,
         "dtype": str(run.dtype), "results": out})
+    if status == "interrupted":
+        raise KeyboardInterrupt
     return status
 
 

@@ -33,11 +33,13 @@ class Sizes:
     policy_adapters: int = 120
     pool_share: float = 0.6
     max_loras: int = 8  # lru-static slots of rank 128
-    sessions: int = 80
+    host_share: float = 0.5  # host KV tier (pinned on CUDA) in pages, as a share of the device pool
+    sessions: int = 60
     session_rate: float = 4.0
     turns: float = 4.0
     think_s: float = 2.0
-    length_scale: float = 1.0
+    session_horizon_s: float = 45.0  # a policy's session run stops here (what finished is summarised)
+    length_scale: float = 0.5  # of the Azure conversation lengths (mean prompt ~1k, output ~200 tokens)
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
@@ -52,6 +54,7 @@ SIZES: dict[str, Sizes] = {
                   lora_prefill_segments=(2, 16), kernel_repeats=1, batches=(1, 4), adapter_counts=(0, 1, 4),
                   prompt_len=24, steps=4, decode_blocks=1024, mixed_half=2, assist_adapters=3,
                   assist_prompt_len=32, assist_background=1, assist_blocks=1024, h2d_bytes=1 << 24,
-                  policy_adapters=12, sessions=6, session_rate=6.0, turns=2.0, think_s=0.1, length_scale=0.02,
+                  policy_adapters=12, sessions=6, session_rate=6.0, turns=2.0, think_s=0.1, session_horizon_s=20.0,
+                  length_scale=0.02,
                   max_model_len=1024, max_num_seqs=8, max_batched_tokens=256, sched_requests=12, sched_unloaded=3),
 }
