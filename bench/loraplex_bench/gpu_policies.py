@@ -25,7 +25,7 @@ from loraplex.sim.sessions import PromptTokens, make_sessions, run_sessions, sum
 from loraplex_bench import memory_compare, scheduler_compare
 from loraplex_bench.cpu_assist import probe_adapters
 from loraplex_bench.gpu import RANKS, Bench
-from loraplex_bench.gpu_run import GpuRun
+from loraplex_bench.gpu_state import GpuRun
 from loraplex_bench.scheduler_engine import EngineSide
 
 POLICIES = (memory_compare.Variant("unified", "unified"), memory_compare.Variant("lru-static", "lru-static"))

@@ -23,7 +23,6 @@ the tests run) every part runs at CI size; the numbers then say nothing about a 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import signal
 import tempfile
@@ -31,15 +30,17 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from loraplex_agent.device import resolve_device, weight_bytes
 
 from loraplex.spec.errors import CommandError, one_line
 from loraplex_bench import gpu
-from loraplex_bench.gpu_sizes import SIZES, Sizes
+from loraplex_bench.gpu_sizes import SIZES
+from loraplex_bench.gpu_state import GpuRun
 from loraplex_bench.output import write_bench_json
 
 HARD_FACTOR = 1.5  # a part still running at this multiple of its budget is stopped by an alarm
@@ -47,79 +48,6 @@ HARD_FACTOR = 1.5  # a part still running at this multiple of its budget is stop
 
 class OverBudget(Exception):
     """Raised by the alarm in a part that ran past HARD_FACTOR x its budget."""
-
-
-@dataclass
-class GpuRun:
-    """What the parts share: the device, the shape, the random model (written once, on first use),
-    the copy bandwidth, the steps recorded for part 7's profile and the earlier parts' results."""
-
-    args: argparse.Namespace
-    device: torch.device
-    shape: str
-    sizes: Sizes
-    workdir: Path
-    out: Path
-    deadline: float = 0.0  # perf_counter() at which the running part's budget ends
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)
-    samples: list = field(default_factory=list)  # (StepFeatures, seconds) of every recorded step
-    shared: dict[str, Any] = field(default_factory=dict)  # part 6's workloads, for part 7's twin
-    _model_dir: Path | None = None
-    _bandwidth: float | None = None
-    _adapter_weights: gpu.AdapterWeights | None = None
-    setup_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.cuda else torch.float32
-
-    @property
-    def config(self) -> gpu.ModelConfig:
-        return gpu.model_config(self.shape)
-
-    def over(self) -> bool:
-        return time.perf_counter() > self.deadline
-
-    def model_dir(self) -> Path:
-        """The random model of the shape, written on first use (its time is reported as setup)."""
-        if self._model_dir is None:
-            began = time.perf_counter()
-            self._model_dir = gpu.write_random_model(self.config, gpu.SHAPES[self.shape], self.workdir / "model",
-                                                     self.args.seed, self.device)
-            self.setup_s["model_write_s"] = time.perf_counter() - began
-            print(f"setup: random {self.shape} model written in {self.setup_s['model_write_s']:.1f} s", flush=True)
-        return self._model_dir
-
-    def bandwidth(self) -> float:
-        """Bytes/s of a device-to-device copy (read + write), measured once."""
-        if self._bandwidth is None:
-            self._bandwidth = gpu.device_bandwidth(self.device, (1 << 30) if self.cuda else (1 << 26))
-            print(f"setup: measured copy bandwidth {self._bandwidth / 1e9:.0f} GB/s", flush=True)
-        return self._bandwidth
-
-    def adapter_weights(self) -> gpu.AdapterWeights:
-        if self._adapter_weights is None:
-            self._adapter_weights = gpu.AdapterWeights(self.config, self.device, self.args.seed)
-        return self._adapter_weights
-
-    def bench(self, num_blocks: int, cuda_graphs: bool, **engine: Any) -> gpu.Bench:
-        """A fresh engine over the random model, its steps recorded for part 7."""
-        from loraplex_bench.gpu_twin import record_steps
-
-        bench = gpu.Bench(self.config, self.model_dir(), self.device, self.dtype, engine.pop("max_model_len"),
-                          num_blocks, cuda_graphs and self.cuda, self.args.seed, self.adapter_weights(), **engine)
-        record_steps(bench.core, self.samples)
-        return bench
-
-    def free(self) -> None:
-        """Give the device memory of closed engines back before the next one is built."""
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
 
 
 # ---- parts 1, 3 and 4: the measurements of `bench gpu` ----------------------------------------------------
@@ -133,7 +61,7 @@ def greedy(run: GpuRun, out: dict[str, Any]) -> None:
 def decode(run: GpuRun, out: dict[str, Any]) -> None:
     s = run.sizes
     out.update(prompt_len=s.prompt_len, timed_steps=s.steps, bandwidth_gbps=run.bandwidth() / 1e9,
-               weight_bytes=gpu.weight_bytes(run.config, run.dtype), decode=[])
+               weight_bytes=weight_bytes(run.config, run.dtype), decode=[])
     results: list[gpu.DecodeResult] = []
     try:
         for graphs in ((True, False) if run.cuda else (False,)):
@@ -189,7 +117,7 @@ def parts() -> list[Part]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        device = gpu.resolve_device(args.device)
+        device = resolve_device(args.device)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     if not args.out:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import re
 import statistics
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -24,35 +23,15 @@ from loraplex_agent.device import (
     kv_tokens_per_slot_rank,
     num_kv_blocks,
 )
-from loraplex_agent.profile import RecordingExecutor
 
-from loraplex.engine.core import EngineCore
 from loraplex.latency.features import StepFeatures
 from loraplex.latency.profile import PROFILE_VERSION, Memory, Profile
 from loraplex.sim.fit import fit_latency
 from loraplex_bench import memory_compare, scheduler_compare
 from loraplex_bench.gpu import RANKS
-from loraplex_bench.gpu_run import GpuRun
+from loraplex_bench.gpu_state import GpuRun
 
 BLOCK = 16
-
-
-def record_steps(core: EngineCore, samples: list[tuple[StepFeatures, float]]) -> None:
-    """Append (features, seconds) of every step `core` executes to `samples`."""
-    recorder = RecordingExecutor(core.executor)
-    core.executor = recorder
-    step = core.step
-
-    def timed_step() -> list:
-        recorder.last = None
-        began = time.perf_counter()
-        outputs = step()
-        elapsed = time.perf_counter() - began
-        if recorder.last is not None:
-            samples.append((recorder.last, elapsed))
-        return outputs
-
-    core.step = timed_step  # type: ignore[method-assign]
 
 
 def run_part(run: GpuRun, out: dict[str, Any]) -> None:
