@@ -168,9 +168,10 @@ class Bench:
                        adapter=adapter)
 
     def close(self) -> None:
-        """Stop the copy and assist threads, so the engine's device memory can be freed."""
+        """Stop the copy and assist threads and drop the engine, so that its device memory (the model,
+        the pool, the graphs) is freed at the next collection even while this bench is referenced."""
         self.executor.close()
-        self.executor.graphs = None
+        del self.core, self.executor
 
 
 def model_config(shape: str, **overrides: int) -> ModelConfig:

@@ -112,8 +112,10 @@ def policies(run: GpuRun, out: dict[str, Any]) -> None:
         out.setdefault("memory_horizon_hit", {})[variant.name] = summary.elapsed_s >= s.session_horizon_s
     memory_compare.print_report(report)
     out["memory_goal"] = f"unified mean TTFT <= {memory_compare.GOAL_RATIO}x lru-static's (FastLibra: <= 0.40x)"
-    if not run.over():
-        schedulers(run, out, pool, engine)
+    if run.over():
+        out["schedulers_skipped"] = "the part's budget was spent by the memory policies"
+        return
+    schedulers(run, out, pool, engine)
 
 
 def schedulers(run: GpuRun, out: dict[str, Any], pool: int, engine: dict[str, Any]) -> None:

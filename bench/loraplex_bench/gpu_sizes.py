@@ -34,8 +34,8 @@ class Sizes:
     pool_share: float = 0.6
     max_loras: int = 8  # lru-static slots of rank 128
     host_share: float = 0.5  # host KV tier (pinned on CUDA) in pages, as a share of the device pool
-    sessions: int = 60
-    session_rate: float = 4.0
+    sessions: int = 40
+    session_rate: float = 2.0
     turns: float = 4.0
     think_s: float = 2.0
     session_horizon_s: float = 45.0  # a policy's session run stops here (what finished is summarised)
