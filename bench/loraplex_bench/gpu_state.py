@@ -20,6 +20,8 @@ from loraplex.latency.features import StepFeatures
 from loraplex_bench import gpu
 from loraplex_bench.gpu_sizes import Sizes
 
+WARMUP_STEPS = 2  # of each engine, left out of the profile's samples
+
 
 @dataclass
 class GpuRun:
@@ -82,7 +84,8 @@ class GpuRun:
         """A fresh engine over the random model, its steps recorded for part 7."""
         bench = gpu.Bench(self.config, self.model_dir(), self.device, self.dtype, engine.pop("max_model_len"),
                           num_blocks, cuda_graphs and self.cuda, self.args.seed, self.adapter_weights(), **engine)
-        record_steps(bench.core, self.samples)
+        if cuda_graphs or not self.cuda:  # the profile is of the engine as it serves: graphs on
+            record_steps(bench.core, self.samples)
         return bench
 
     def free(self) -> None:
@@ -93,18 +96,23 @@ class GpuRun:
 
 
 def record_steps(core: EngineCore, samples: list[tuple[StepFeatures, float]]) -> None:
-    """Append (features, seconds) of every step `core` executes to `samples`."""
+    """Append (features, seconds) of every step `core` executes with requests in it to `samples`, but
+    its first WARMUP_STEPS (first-use work: allocations, kernels compiled for a new shape); a step
+    that only waits for a copy has no features (the twin charges copies by their bytes)."""
     recorder = RecordingExecutor(core.executor)
     core.executor = recorder
     step = core.step
+    seen = [0]
 
     def timed_step() -> list:
         recorder.last = None
         began = time.perf_counter()
         outputs = step()
         elapsed = time.perf_counter() - began
-        if recorder.last is not None:
-            samples.append((recorder.last, elapsed))
+        if recorder.last is not None and recorder.last.batch:
+            seen[0] += 1
+            if seen[0] > WARMUP_STEPS:
+                samples.append((recorder.last, elapsed))
         return outputs
 
     core.step = timed_step  # type: ignore[method-assign]
