@@ -40,12 +40,16 @@ prepare() {
 device() {
   : "${OUT:?OUT must name the folder whose files come back}"
   local log="$OUT/gpu-run.log" site=/tmp/loraplex-site
+  if ! compgen -G ".whl/*.whl" >/dev/null; then
+    echo "error: no wheels in .whl/: run scripts/gpu-run.sh prepare here first, and carry .whl" | tee -a "$log" >&2
+    exit 2
+  fi
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
     python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
     python3 -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir \
       --target "$site" .
-  } >>"$log" 2>&1
+  } 2>&1 | tee -a "$log"
   export PYTHONPATH="$site" PYTHONUNBUFFERED=1
   # the random 7B model (13.5 GB) is written once and read by every engine: in memory when it fits
   local shm_free
