@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -95,3 +97,16 @@ def test_bad_input_is_one_line(argv, message, capsys) -> None:
     assert main(["bench", "gpu", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu-run.sh"
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    ([], {}, "usage: scripts/gpu-run.sh prepare | device"),
+    (["device"], {}, "OUT must name the folder whose files come back"),
+])
+def test_the_device_script_refuses_in_one_line(argv, env, message) -> None:
+    environ = {k: v for k, v in os.environ.items() if k != "OUT"} | env
+    done = subprocess.run(["bash", str(SCRIPT), *argv], capture_output=True, text=True, env=environ, timeout=60)
+    assert done.returncode != 0 and message in done.stderr and done.stderr.count("\n") == 1
