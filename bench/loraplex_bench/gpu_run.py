@@ -119,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     if not args.out:
         raise CommandError("--all and --parts write a JSON per part: give the folder with --out DIR")
+    if args.quick or args.num_blocks or args.plots:
+        raise CommandError("--quick, --num-blocks and --plots are the single report's; the GPU run's parts are "
+                           "sized by --shape")
     chosen = select(args.parts)
     shape = args.shape or ("llama2-7b" if device.type == "cuda" else "tiny")
     if device.type == "cpu":  # the Triton parts run in its interpreter (set before triton is imported)

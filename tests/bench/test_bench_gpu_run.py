@@ -53,7 +53,7 @@ def _state(tmp_path: Path):
     from loraplex_bench.gpu_run import GpuRun
     from loraplex_bench.gpu_sizes import SIZES
 
-    args = argparse.Namespace(seed=0, all=True, parts=None, out=str(tmp_path))
+    args = argparse.Namespace(seed=0, all=True, parts=None, out=str(tmp_path), quick=False, num_blocks=None, plots=None)
     return GpuRun(args, torch.device("cpu"), "tiny", SIZES["tiny"], tmp_path, tmp_path)
 
 
@@ -92,6 +92,7 @@ def test_a_part_past_its_budget_is_stopped(tmp_path) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--all"], "give the folder with --out DIR"),
     (["--parts", "3,9", "--out", "x"], "--parts must be comma-separated part numbers 1-7"),
+    (["--all", "--quick", "--out", "x"], "--quick, --num-blocks and --plots are the single report's"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys) -> None:
     assert main(["bench", "gpu", "--device", "cpu", *argv]) == 2
