@@ -39,7 +39,7 @@ class Sizes:
     turns: float = 4.0
     think_s: float = 2.0
     session_horizon_s: float = 40.0  # a policy's session run stops here (what finished is summarised)
-    length_scale: float = 0.5  # of the Azure conversation lengths (mean prompt ~1k, output ~200 tokens)
+    length_scale: float = 0.5  # of the session and Azure conversation lengths (both sides of part 6)
     max_model_len: int = 4096
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
