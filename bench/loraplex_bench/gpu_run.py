@@ -63,8 +63,10 @@ def decode(run: GpuRun, out: dict[str, Any]) -> None:
     out.update(prompt_len=s.prompt_len, timed_steps=s.steps, bandwidth_gbps=run.bandwidth() / 1e9,
                weight_bytes=weight_bytes(run.config, run.dtype), decode=[])
     results: list[gpu.DecodeResult] = []
+    modes = (True, False) if run.cuda else (False,)
+    out["points_planned"] = len(modes) * len(s.batches) * len(s.adapter_counts)  # fewer measured: over budget
     try:
-        for graphs in ((True, False) if run.cuda else (False,)):
+        for graphs in modes:
             bench = run.bench(s.decode_blocks, graphs, max_model_len=s.prompt_len + 256)
             try:
                 gpu.decode_sweep(bench, run.dtype, run.bandwidth(), s.prompt_len, s.steps, s.batches,
