@@ -376,26 +376,36 @@ def _time_attention(config: ModelConfig, device: torch.device, dtype: torch.dtyp
 
 def greedy_tokens_match(device: torch.device, seed: int, workdir: Path, adapters: int = GREEDY_ADAPTERS) -> dict:
     """The same greedy requests (tiny model, float32, `adapters` adapters of mixed ranks and one base
-    request) on `device` and on the CPU: the tokens must be identical."""
+    request) on `device` and on the CPU: the tokens must be identical, and the largest difference of
+    their logits (up to each request's first differing token) says how far from a tie they are."""
     config = model_config("tiny")
     model_dir = write_random_model(config, SHAPES["tiny"], workdir / "greedy", seed)
     generator = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(1, config.vocab_size, (12 + 5 * i,), generator=generator).tolist()
                for i in range(adapters + 1)]
     ranks = [RANKS[i % len(RANKS)] for i in range(adapters)]
-    outputs = {}
+    outputs, logits = {}, {}
     for where in (device, torch.device("cpu")):
         bench = Bench(config, model_dir, where, torch.float32, max_model_len=256, num_blocks=512,
                       cuda_graphs=where.type == "cuda", seed=seed)
+        bench.executor.capture_logits = True
         used: list[AdapterId | None] = [None, *bench.add_adapters(ranks)]
         outputs[where.type] = bench.greedy(used, prompts, tokens=24)
+        logits[where.type] = {rid: torch.stack(rows) for rid, rows in bench.executor.captured_logits.items()}
         bench.close()
-    differing = [i for i, (a, b) in enumerate(zip(outputs[device.type], outputs["cpu"], strict=True)) if a != b]
+    pairs = list(zip(outputs[device.type], outputs["cpu"], strict=True))
+    differing = [i for i, (a, b) in enumerate(pairs) if a != b]
+    diff = 0.0
+    for i, (a, b) in enumerate(pairs):  # rows past the first differing token see different contexts
+        rows = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) + 1
+        ours, cpu = logits[device.type][f"g{i}"][:rows], logits["cpu"][f"g{i}"][:rows]
+        diff = max(diff, float((ours - cpu).abs().max()))
     same = not differing
     print(f"greedy tokens, float32, {device.type} vs cpu: {'identical' if same else 'DIFFERENT'} "
-          f"({len(prompts)} requests, adapter ranks {ranks} and one base request)")
+          f"({len(prompts)} requests, adapter ranks {ranks} and one base request); largest logit "
+          f"difference {diff:.1e}")
     return {"device": device.type, "identical": same, "requests": len(prompts), "adapter_ranks": ranks,
-            "differing_requests": differing, "tokens_per_request": 24}
+            "differing_requests": differing, "tokens_per_request": 24, "max_abs_logit_diff": diff}
 
 
 def gpu_series(decode: list[DecodeResult], attention: list[AttentionTiming]) -> list[Series]:

@@ -33,6 +33,7 @@ def test_the_rehearsal_runs_every_part_and_writes_its_json(tmp_path, monkeypatch
     assert {name: (p["status"], p["error"]) for name, p in parts.items()} == {name: ("ok", None) for name in PART_FILES}
     assert code == 0
     assert parts["part1-greedy.json"]["results"]["identical"]
+    assert parts["part1-greedy.json"]["results"]["max_abs_logit_diff"] == 0.0  # the CPU against itself
     assert parts["part1-greedy.json"]["results"]["adapter_ranks"] == [8, 16, 32, 64, 128, 8, 16, 32]
     kernels = parts["part2-kernels.json"]["results"]["worst_rel_error"]
     assert set(kernels) == {"attention-decode", "attention-prefill", "lora-decode", "lora-prefill"}
