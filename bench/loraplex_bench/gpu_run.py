@@ -180,6 +180,7 @@ def run_part(run: GpuRun, part: Part) -> str:
     elapsed = time.perf_counter() - began
     run.free()
     run.results[part.number] = out
+    run.steps_recorded[part.number] = len(run.samples) - sum(run.steps_recorded.values())
     print(f"part {part.number} {part.name}: {status} in {elapsed:.1f} s" + (f": {error}" if error else ""), flush=True)
     write_bench_json(run.out / part.file, "bench gpu", run.args, {
         "part": part.number, "name": part.name, "status": status, "error": error, "budget_s": part.budget_s,

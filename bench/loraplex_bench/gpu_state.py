@@ -38,6 +38,7 @@ class GpuRun:
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     samples: list[tuple[StepFeatures, float]] = field(default_factory=list)  # every recorded step
     shared: dict[str, Any] = field(default_factory=dict)  # part 6's workloads, for part 7's twin
+    steps_recorded: dict[int, int] = field(default_factory=dict)  # part -> its engines' recorded steps
     _model_dir: Path | None = None
     _bandwidth: float | None = None
     _adapter_weights: gpu.AdapterWeights | None = None

@@ -36,8 +36,10 @@ BLOCK = 16
 
 def run_part(run: GpuRun, out: dict[str, Any]) -> None:
     if not run.samples:
-        raise RuntimeError("no engine steps were recorded: part 7 fits on the steps of parts 3-6 of the same run")
+        raise RuntimeError("no engine steps were recorded: part 7 fits on the steps of parts 3-6 run in the same "
+                           "invocation (e.g. --parts 3,4,5,6,7)")
     profile = device_profile(run)
+    out["steps_by_part"] = dict(run.steps_recorded)  # what the fit saw: parts of this invocation only
     out["profile"] = profile.model_dump(mode="json")
     print(f"profile {profile.name}: {profile.fit.samples} steps, R^2 {profile.fit.r2:.3f}, step MAPE "
           f"{profile.fit.mape:.1%}, total-time error {profile.fit.total_time_error:+.1%}", flush=True)

@@ -45,6 +45,7 @@ def test_the_rehearsal_runs_every_part_and_writes_its_json(tmp_path, monkeypatch
     assert {r["scheduler"] for r in policies["schedulers"]["runs"]} == {"chameleon", "fifo"}
     twin = parts["part7-twin.json"]["results"]
     Profile.model_validate(twin["profile"])  # the shipped profile format
+    assert set(twin["steps_by_part"]) == {"1", "2", "3", "4", "5", "6"} and twin["steps_by_part"]["3"] > 0
     assert len(twin["decode_error"]) == len(parts["part3-decode.json"]["results"]["decode"])
     assert [r["run"] for r in twin["memory_error"]] == ["unified", "lru-static"]
     assert {r["run"] for r in twin["scheduler_error"]} == {"chameleon", "fifo"}
