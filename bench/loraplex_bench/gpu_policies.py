@@ -88,8 +88,9 @@ def policies(run: GpuRun, out: dict[str, Any]) -> None:
     engine = {"max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs,
               "max_num_batched_tokens": s.max_batched_tokens, "max_loras": s.max_loras,
               "num_host_blocks": int(s.host_share * pool)}
-    settings = {"num_pages": pool, "session_horizon_s": s.session_horizon_s, "page_bytes": kv_block_bytes(run.config, 16, run.dtype),
-                "pool_share_of_adapters": s.pool_share, **engine, "sessions": len(workload.sessions),
+    settings = {"num_pages": pool, "page_bytes": kv_block_bytes(run.config, 16, run.dtype),
+                "session_horizon_s": s.session_horizon_s, "pool_share_of_adapters": s.pool_share, **engine,
+                "sessions": len(workload.sessions),
                 "turns": workload.num_turns, "adapters": len(workload.adapters), "spec": asdict(workload.spec)}
     run.shared.update(pool=pool, engine=engine, sessions=workload)
     report = memory_compare.SideReport("engine", settings)
