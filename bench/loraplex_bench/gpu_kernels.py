@@ -82,7 +82,8 @@ def run_part(run: GpuRun, out: dict[str, Any]) -> None:
 
 def _print(check: KernelCheck) -> None:
     sdpa = f", SDPA {check.sdpa_s * 1e6:9.1f} us" if check.sdpa_s is not None else ""
-    print(f"{check.kernel:<17} {check.case:<26} error {check.max_rel_error:.1e}: Triton {check.triton_s * 1e6:9.1f} us, "
+    print(f"{check.kernel:<17} {check.case:<26} error {check.max_rel_error:.1e}: "
+          f"Triton {check.triton_s * 1e6:9.1f} us, "
           f"reference {check.reference_s * 1e6:9.1f} us{sdpa}", flush=True)
 
 

@@ -64,16 +64,17 @@ def device_profile(run: GpuRun) -> Profile:
     blocks = num_kv_blocks(config, device, dtype, block_size=BLOCK, max_model_len=engine["max_model_len"],
                            max_num_seqs=engine.get("max_num_seqs", 256))
     h2d = run.results.get(5, {}).get("h2d_gbps", {}).get("pageable")  # the engine copies from pageable memory
-    memory = Memory(kv_tokens_base=blocks * BLOCK, kv_tokens_per_slot_rank=kv_tokens_per_slot_rank(config, dtype, max(RANKS)),
-                    kv_token_bytes=kv_token_bytes(config, dtype), adapter_bytes_per_rank=adapter_bytes_per_rank(config, dtype),
-                    h2d_gbps=h2d)
+    memory = Memory(kv_tokens_base=blocks * BLOCK,
+                    kv_tokens_per_slot_rank=kv_tokens_per_slot_rank(config, dtype, max(RANKS)),
+                    kv_token_bytes=kv_token_bytes(config, dtype),
+                    adapter_bytes_per_rank=adapter_bytes_per_rank(config, dtype), h2d_gbps=h2d)
     where = torch.cuda.get_device_name(device) if run.cuda else "cpu"
     slug = re.sub(r"[^a-z0-9]+", "-", where.lower()).removeprefix("nvidia-").strip("-")
     name = f"{slug}-{run.shape}" + ("" if run.cuda else "-rehearsal")
     return Profile(
         profile_version=PROFILE_VERSION, name=name, engine=engine, memory=memory, coefficients=coefficients, fit=fit,
-        model=f"random weights of the {run.shape} shape (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-              f"vocab {config.vocab_size}, {dtype})",
+        model=f"random weights of the {run.shape} shape (hidden {config.hidden_size}, "
+              f"{config.num_hidden_layers} layers, vocab {config.vocab_size}, {dtype})",
         hardware=f"{where}, torch {torch.__version__}; measured by `loraplex bench gpu --all` on "
                  f"{datetime.date.today().isoformat()}: wall time of whole engine steps of parts 3-6")
 
@@ -122,8 +123,8 @@ def scheduler_errors(run: GpuRun, profile: Profile) -> list[dict[str, Any]]:
     args.host_blocks = run.shared["engine"]["num_host_blocks"]
     twin = scheduler_compare.TwinSide(at_pool(profile, run.shared["pool"]), args, block.memory_policy)
     run_at = twin.run_at(trace, block.slo_ttft_s)
-    return [_errors(real.scheduler, asdict(real), asdict(run_at(real.scheduler, real.rps)), ("ttft_p50_s", "ttft_p99_s"))
-            for real in block.runs]
+    return [_errors(real.scheduler, asdict(real), asdict(run_at(real.scheduler, real.rps)),
+                    ("ttft_p50_s", "ttft_p99_s")) for real in block.runs]
 
 
 def _errors(name: str, real: dict[str, Any], twin: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
