@@ -125,6 +125,7 @@ class Bench:
                     else random_adapter(self.model_config, name, rank, self._generator))
             self.store.add(host)
             self.core.add_adapter(host.info)
+            self.executor.stage_adapter(host)  # as `LLM.register`: pinned on CUDA while it fits
             self.adapters.append(host.id)
             ids.append(host.id)
         return ids

@@ -1,7 +1,9 @@
 """Parts 5 and 6 of the GPU run: copies, CPU assist and the engine policies on the device.
 
 Part 5 probes adapters cold and warm with CPU assist off and on (`bench cpu-assist`'s probes, on the
-run's shape) and measures host->device copy bandwidth from pageable and from pinned memory.
+run's shape) and measures host->device copy bandwidth from pageable and from pinned memory. On CUDA
+the engine copies adapters from pinned memory (`loraplex_agent.pinned_adapters`): the part says so
+(`engine_copies_from`) and how many of its adapters were staged there.
 
 Part 6 runs the drivers of `bench memory` (multi-turn chat sessions, `loraplex.sim.sessions`) and of
 `bench schedulers` (its engine side's calibration and sweep) on engines of the run's shape. The page
@@ -48,6 +50,9 @@ def cold_warm(run: GpuRun, out: dict[str, Any]) -> None:
         try:
             names = [a.name for a in bench.add_adapters(ranks)]
             result = probe_adapters(bench, names, s.assist_prompt_len, s.assist_background, assist)
+            staged = bench.executor.pinned  # adapters staged in pinned memory (CUDA): their copies are DMA
+            out["engine_copies_from"] = "pinned" if staged is not None else "pageable"
+            out["engine_pinned"] = {"adapters": len(staged), "bytes": staged.nbytes} if staged is not None else None
         finally:
             bench.close()
             run.free()

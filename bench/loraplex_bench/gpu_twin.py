@@ -63,7 +63,8 @@ def device_profile(run: GpuRun) -> Profile:
     engine.setdefault("max_model_len", run.sizes.max_model_len)
     blocks = num_kv_blocks(config, device, dtype, block_size=BLOCK, max_model_len=engine["max_model_len"],
                            max_num_seqs=engine.get("max_num_seqs", 256))
-    h2d = run.results.get(5, {}).get("h2d_gbps", {}).get("pageable")  # the engine copies from pageable memory
+    part5 = run.results.get(5, {})  # the rate of the memory the engine copies adapters from
+    h2d = part5.get("h2d_gbps", {}).get(part5.get("engine_copies_from", "pageable"))
     memory = Memory(kv_tokens_base=blocks * BLOCK,
                     kv_tokens_per_slot_rank=kv_tokens_per_slot_rank(config, dtype, max(RANKS)),
                     kv_token_bytes=kv_token_bytes(config, dtype),

@@ -40,6 +40,7 @@ def test_the_rehearsal_runs_every_part_and_writes_its_json(tmp_path, monkeypatch
     assert max(kernels.values()) < 1e-3  # float32 on the CPU: the Triton kernels agree with the references
     assert {(d["batch"], d["adapters"]) for d in parts["part3-decode.json"]["results"]["decode"]} >= {(1, 0), (4, 4)}
     assert [p["cpu_assist"] for p in parts["part5-cold-warm.json"]["results"]["passes"]] == [False, True]
+    assert parts["part5-cold-warm.json"]["results"]["engine_copies_from"] == "pageable"  # CPU torch cannot pin
     policies = parts["part6-policies.json"]["results"]
     assert [r["variant"] for r in policies["memory"]["results"]] == ["unified", "lru-static"]
     assert {r["scheduler"] for r in policies["schedulers"]["runs"]} == {"chameleon", "fifo"}
