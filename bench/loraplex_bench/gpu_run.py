@@ -5,8 +5,8 @@
 3. decode tokens/s at batch 1, 16, 64 with 0, 1, 32 distinct adapters, fraction of the bandwidth
    bound, CUDA graphs on and off (`gpu.decode_sweep`);
 4. a rank-8 + rank-128 batch against the sum of its homogeneous halves (`gpu.mixed_ranks`);
-5. cold vs warm adapter TTFT, CPU assist off and on, and the host->device copy bandwidth
-   (`gpu_policies`);
+5. cold vs warm adapter TTFT, CPU assist off and on (the engine's copies from pinned memory on
+   CUDA), and the host->device copy bandwidth from pageable and pinned memory (`gpu_policies`);
 6. the memory policies (unified vs lru-static) and the schedulers (Chameleon vs FIFO at 0.9x FIFO's
    capacity) under memory pressure, on the drivers of `bench memory` and `bench schedulers` (`gpu_policies`);
 7. a latency profile fitted on the steps of parts 3-6, written in the shipped profile format, and
