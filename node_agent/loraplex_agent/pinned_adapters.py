@@ -9,7 +9,8 @@ on the copy engine's side stream, with no host work. An adapter is staged when i
 
 Pinned memory cannot be swapped out and is taken from the OS, so the staged bytes are bounded
 (`--pinned-adapter-memory`): past the budget the adapters least recently loaded are dropped, and an
-adapter larger than the budget loads from pageable memory, laid out at each load, as on the CPU.
+adapter larger than the budget (or refused pinned memory by the OS) loads from pageable memory,
+laid out at each load, as on the CPU.
 On a CPU-only machine nothing is pinned (`pins_adapters`).
 
 A staged tensor is never reused while a copy reads it: a background copy job holds it until the
@@ -20,6 +21,7 @@ that read it are done.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -31,6 +33,8 @@ if TYPE_CHECKING:  # torch is not imported at runtime: the CLI reads the default
 
     from loraplex_agent.host_adapter import HostAdapter
     from loraplex_agent.model.lora_pages import PagedAdapters
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PINNED_ADAPTER_GIB = 8.0
 
@@ -88,7 +92,11 @@ class PinnedAdapters:
             self._staged.pop(adapter.id, None)  # another adapter of that id was registered since
             if size > self.budget_bytes or (not evict and self._used() + size > self.budget_bytes):
                 return None
-        staged = self.pages.stage(adapter, self.pin_memory)  # outside the lock: it takes a while
+        try:
+            staged = self.pages.stage(adapter, self.pin_memory)  # outside the lock: it takes a while
+        except RuntimeError:  # the OS refused page-locked memory: this load copies from pageable memory
+            log.warning("could not stage adapter %s in pinned memory", adapter.id, exc_info=True)
+            return None
         with self._lock:
             self._staged.pop(adapter.id, None)
             used = self._used()

@@ -84,6 +84,17 @@ def test_a_staged_tensor_of_another_shape_is_refused(tiny_model):
         write()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where pinned memory is refused")
+def test_pinned_memory_refused_leaves_the_load_on_pageable_memory(tiny_model):
+    config = ModelConfig.from_dir(tiny_model.base_dir)
+    pages = PagedAdapters(config, pool(config, 64))
+    pinned = PinnedAdapters(pages, budget_bytes=1 << 30)  # CPU-only torch refuses to pin
+    adapter = host(tiny_model, "lora00-r8", config)
+    assert pinned.rows(adapter) is None and not pinned.add(adapter) and len(pinned) == 0
+    _, write = pages.copy_job(adapter, list(range(pages.pages_needed(adapter))), staged=pinned.rows)
+    assert write() == pages.pages_needed(adapter) * pages.page_bytes
+
+
 def test_a_cpu_engine_keeps_its_adapters_in_pageable_memory(tiny_model):
     from loraplex_agent.llm import LLM
 
