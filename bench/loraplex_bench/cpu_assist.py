@@ -94,26 +94,32 @@ def probe_pass(args: argparse.Namespace, base_dir: Path, adapters: dict[str, Pat
               emulate_h2d_gbps=gbps, cpu_assist=assist, max_num_batched_tokens=max(512, args.prompt_len))
     for name, path in adapters.items():
         llm.add_adapter(name, path)
-    background = [llm.make_request([11 + i] * 32, SamplingParams(max_tokens=1_000_000, ignore_eos=True))
-                  for i in range(args.background)]
-    for request in background:
+    result = probe_adapters(llm, list(adapters), args.prompt_len, args.background, assist)
+    llm.executor.close()
+    return result
+
+
+def probe_adapters(llm: LLM, adapters: list[str], prompt_len: int, background: int, assist: bool) -> AssistResult:
+    """Probe every adapter cold, then warm, next to `background` base-model requests decoding all along.
+    `llm` is anything with `core`, `executor`, `model_config` and `make_request` (the GPU run's bench too)."""
+    running = [llm.make_request([11 + i] * 32, SamplingParams(max_tokens=1_000_000, ignore_eos=True))
+               for i in range(background)]
+    for request in running:
         llm.core.add_request(request)
-    while any(r.first_token_time is None for r in background):  # probes meet a batch already decoding
+    while any(r.first_token_time is None for r in running):  # probes meet a batch already decoding
         llm.core.step()
     cold, warm = [], []
     for index, name in enumerate(adapters):
-        cold.append(probe(llm, name, args.prompt_len, seed=2 * index))
+        cold.append(probe(llm, name, prompt_len, seed=2 * index))
         while llm.core.memory.copies_in_flight:  # warm means on the device: an assisted copy may still run
             llm.core.step()
-        warm.append(probe(llm, name, args.prompt_len, seed=2 * index + 1))
-    for request in background:
+        warm.append(probe(llm, name, prompt_len, seed=2 * index + 1))
+    for request in running:
         llm.core.abort_request(request.request_id)
     while llm.core.has_unfinished():
         llm.core.step()
     helper = llm.executor.assist
-    result = AssistResult(assist, cold, warm, helper.assisted_layers if helper else 0, helper.failures if helper else 0)
-    llm.executor.close()
-    return result
+    return AssistResult(assist, cold, warm, helper.assisted_layers if helper else 0, helper.failures if helper else 0)
 
 
 def probe(llm: LLM, adapter: str, prompt_len: int, seed: int) -> float:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from loraplex_agent.adapters import AdapterStore
@@ -52,6 +53,8 @@ SHAPES: dict[str, dict] = {
 RANKS = (8, 16, 32, 64, 128)
 BATCHES = (1, 16, 64)
 ADAPTER_COUNTS = (0, 1, 32)
+OFFSETS = 4096  # distinct starting points of AdapterWeights' views
+GREEDY_ADAPTERS = 8
 
 
 @dataclass
@@ -85,33 +88,53 @@ class AttentionTiming:
 
 
 class Bench:
-    """One engine (executor + core) over a random model, with random adapters registered by rank."""
+    """One engine (executor + core) over a random model, with random adapters registered by rank.
+    `engine` overrides EngineConfig fields (memory policy, scheduler, max_num_seqs...)."""
 
     def __init__(self, config: ModelConfig, model_dir: Path, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, num_blocks: int, cuda_graphs: bool, seed: int = 0) -> None:
+                 max_model_len: int, num_blocks: int, cuda_graphs: bool, seed: int = 0,
+                 adapter_weights: AdapterWeights | None = None, **engine: Any) -> None:
         self.model_config = config
-        self.engine_config = EngineConfig(
-            max_model_len=max_model_len, block_size=16, num_blocks=num_blocks, max_num_seqs=max(BATCHES),
-            max_num_batched_tokens=max(2048, max_model_len), max_lora_rank=max(RANKS),
-            num_host_blocks=0)
+        self.model_dir = model_dir
+        self.engine_config = EngineConfig(**{
+            "max_model_len": max_model_len, "block_size": 16, "num_blocks": num_blocks,
+            "max_num_seqs": max(BATCHES), "max_num_batched_tokens": max(2048, max_model_len),
+            "max_lora_rank": max(RANKS), "num_host_blocks": 0, **engine})
         self.store = AdapterStore()
         self.executor = TorchExecutor(config, self.engine_config, device, dtype, self.store.get,
                                       model_dir=model_dir, seed=seed, cuda_graphs=cuda_graphs)
-        self.core = EngineCore(self.engine_config, self.executor,
-                               adapter_pages=lambda info: self.executor.adapter_pages(self.store.get(info.id)))
+        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
         self.adapters: list[AdapterId] = []
         self._generator = torch.Generator().manual_seed(seed)
+        self._weights = adapter_weights
         self._requests = 0
 
-    def add_adapters(self, ranks: Sequence[int]) -> list[AdapterId]:
+    def _adapter_pages(self, info: AdapterInfo) -> int:
+        """As `LLM`'s: an adapter not in host memory (lru-static's slot size) wraps every module."""
+        if info.id in self.store:
+            return self.executor.adapter_pages(self.store.get(info.id))
+        return self.executor.pages_for_rank(info.rank)
+
+    def add_adapters(self, ranks: Sequence[int], names: Sequence[str] | None = None) -> list[AdapterId]:
+        """Random adapters of `ranks` (named `names`, else by index and rank): drawn from the seed, or
+        views of the shared `adapter_weights` when the bench was given them (large shapes)."""
         ids = []
-        for rank in ranks:
-            host = random_adapter(self.model_config, f"a{len(self.adapters)}-r{rank}", rank, self._generator)
+        for i, rank in enumerate(ranks):
+            name = names[i] if names else f"a{len(self.adapters)}-r{rank}"
+            host = (self._weights.adapter(self.model_config, name, rank, len(self.adapters)) if self._weights
+                    else random_adapter(self.model_config, name, rank, self._generator))
             self.store.add(host)
             self.core.add_adapter(host.info)
+            self.executor.stage_adapter(host)  # as `LLM.register`: pinned on CUDA while it fits
             self.adapters.append(host.id)
             ids.append(host.id)
         return ids
+
+    def make_request(self, prompt: list[int], sampling: SamplingParams, adapter: str | None = None) -> Request:
+        """A request of `adapter` by name (what `LLM.make_request` is for a bench without a tokenizer)."""
+        self._requests += 1
+        adapter_id = next(a for a in self.adapters if a.name == adapter) if adapter else None
+        return Request(f"m{self._requests}", list(prompt), sampling, adapter=adapter_id)
 
     def step_time(self, adapters: Sequence[AdapterId | None], prompt_len: int, steps: int) -> float:
         """Mean seconds of a decode step of len(adapters) requests (one per entry), once every
@@ -146,17 +169,22 @@ class Bench:
                        adapter=adapter)
 
     def close(self) -> None:
+        """Stop the copy and assist threads and drop the engine, so that its device memory (the model,
+        the pool, the graphs) is freed at the next collection even while this bench is referenced."""
         self.executor.close()
+        del self.core, self.executor
 
 
-def model_config(shape: str) -> ModelConfig:
+def model_config(shape: str, **overrides: int) -> ModelConfig:
     raw = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "max_position_embeddings": 4096, "torch_dtype": "bfloat16", **SHAPES[shape]}
+           "max_position_embeddings": 4096, "torch_dtype": "bfloat16", **SHAPES[shape], **overrides}
     return ModelConfig.from_dict(raw, name=f"random-{shape}")
 
 
-def write_random_model(config: ModelConfig, raw_shape: dict, folder: Path, seed: int) -> Path:
-    """A Hugging Face folder (config.json + model.safetensors) with random bf16 weights."""
+def write_random_model(config: ModelConfig, raw_shape: dict, folder: Path, seed: int,
+                       device: torch.device | None = None) -> Path:
+    """A Hugging Face folder (config.json + model.safetensors) with random bf16 weights, drawn on
+    `device` (the CPU by default; a GPU draws the 7B shape's 6.7 billion numbers in a second)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -164,17 +192,19 @@ def write_random_model(config: ModelConfig, raw_shape: dict, folder: Path, seed:
         "architectures": ["LlamaForCausalLM"], "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
         "torch_dtype": "bfloat16", **raw_shape}))
-    generator = torch.Generator().manual_seed(seed)
-    save_file(random_state(config, generator), str(folder / "model.safetensors"))
+    device = device or torch.device("cpu")
+    generator = torch.Generator(device).manual_seed(seed)
+    save_file(random_state(config, generator, device), str(folder / "model.safetensors"))
     return folder
 
 
-def random_state(config: ModelConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+def random_state(config: ModelConfig, generator: torch.Generator,
+                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
     h, inter = config.hidden_size, config.intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
 
     def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
 
     state = {"model.embed_tokens.weight": normal(config.vocab_size, h), "model.norm.weight": torch.ones(h),
              "lm_head.weight": normal(config.vocab_size, h)}
@@ -201,6 +231,32 @@ def random_adapter(config: ModelConfig, name: str, rank: int, generator: torch.G
     size = sum(a.numel() + b.numel() for a, b in weights.values()) * 2
     info = AdapterInfo(AdapterId(name, f"random-{name}"), rank, size, tuple(LORA_MODULES))
     return HostAdapter(info, scaling=1.0, weights=weights)
+
+
+class AdapterWeights:
+    """Adapter weights as views of one shared random buffer, for shapes where drawing every adapter's
+    own numbers would take minutes (a rank-128 adapter of the Llama-2-7B shape has 320M of them): each
+    adapter reads the buffer from its own offset, so adapters differ, and costs no host memory of its own.
+    Copies move as many bytes as separate tensors would (the executor lays every adapter out anew)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, seed: int) -> None:
+        self.per_rank = sum(sum(config.module_shape(m)) for m in LORA_MODULES) * config.num_hidden_layers
+        generator = torch.Generator(device).manual_seed(seed)
+        buffer = torch.randn(self.per_rank * max(RANKS) + OFFSETS, generator=generator, device=device) * 0.02
+        self.buffer = buffer.to(torch.bfloat16).cpu()
+
+    def adapter(self, config: ModelConfig, name: str, rank: int, index: int) -> HostAdapter:
+        offset = (index * 7919) % OFFSETS
+        weights = {}
+        for layer in range(config.num_hidden_layers):
+            for module in LORA_MODULES:
+                in_features, out_features = config.module_shape(module)
+                a = self.buffer[offset:offset + rank * in_features].view(rank, in_features)
+                b = self.buffer[offset + rank * in_features:offset + rank * (in_features + out_features)]
+                offset += rank * (in_features + out_features)
+                weights[(layer, module)] = (a, b.view(out_features, rank))
+        info = AdapterInfo(AdapterId(name, f"random-{name}"), rank, rank * self.per_rank * 2, tuple(LORA_MODULES))
+        return HostAdapter(info, scaling=1.0, weights=weights)
 
 
 def device_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -239,11 +295,17 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 
 
 def decode_sweep(bench: Bench, dtype: torch.dtype, bandwidth: float, prompt_len: int, steps: int,
-                 batches: Sequence[int], counts: Sequence[int], cuda_graphs: bool) -> list[DecodeResult]:
-    results = []
+                 batches: Sequence[int], counts: Sequence[int], cuda_graphs: bool,
+                 results: list[DecodeResult] | None = None, deadline: float | None = None) -> list[DecodeResult]:
+    """Every (adapter count, batch) point, appended to `results` as it is measured (a caller keeps what
+    ran when a later point fails); points left when `deadline` (perf_counter) has passed are skipped."""
+    results = [] if results is None else results
     pool = bench.add_adapters([RANKS[i % len(RANKS)] for i in range(max(counts))])
     for count in counts:
         for batch in batches:
+            if deadline is not None and time.perf_counter() > deadline:
+                print(f"decode: over the time budget, batch {batch} with {count} adapters skipped")
+                continue
             used = [pool[i % count] if count else None for i in range(batch)]
             step_s = bench.step_time(used, prompt_len, steps)
             ranks = [bench.store.get(a).rank for a in set(used) if a is not None]
@@ -252,7 +314,7 @@ def decode_sweep(bench: Bench, dtype: torch.dtype, bandwidth: float, prompt_len:
                                         nbytes / bandwidth / step_s))
             print(f"decode batch {batch:>3} adapters {len(ranks):>2} graphs {cuda_graphs!s:>5}: "
                   f"{step_s * 1e3:8.2f} ms/step {batch / step_s:9.1f} tok/s "
-                  f"{100 * results[-1].bandwidth_fraction:5.1f}% of the bandwidth bound")
+                  f"{100 * results[-1].bandwidth_fraction:5.1f}% of the bandwidth bound", flush=True)
     return results
 
 
@@ -313,22 +375,38 @@ def _time_attention(config: ModelConfig, device: torch.device, dtype: torch.dtyp
     return ours, sdpa
 
 
-def greedy_tokens_match(device: torch.device, seed: int, workdir: Path) -> dict:
-    """The same greedy requests (tiny model, float32, adapters of every rank) on `device` and on the CPU."""
+def greedy_tokens_match(device: torch.device, seed: int, workdir: Path, adapters: int = GREEDY_ADAPTERS) -> dict:
+    """The same greedy requests (tiny model, float32, `adapters` adapters of mixed ranks and one base
+    request) on `device` and on the CPU: the tokens must be identical, and the largest difference of
+    their logits (up to each request's first differing token) says how far from a tie they are."""
     config = model_config("tiny")
     model_dir = write_random_model(config, SHAPES["tiny"], workdir / "greedy", seed)
     generator = torch.Generator().manual_seed(seed + 1)
-    prompts = [torch.randint(1, config.vocab_size, (12 + 5 * i,), generator=generator).tolist() for i in range(6)]
-    outputs = {}
+    prompts = [torch.randint(1, config.vocab_size, (12 + 5 * i,), generator=generator).tolist()
+               for i in range(adapters + 1)]
+    ranks = [RANKS[i % len(RANKS)] for i in range(adapters)]
+    outputs, logits = {}, {}
     for where in (device, torch.device("cpu")):
         bench = Bench(config, model_dir, where, torch.float32, max_model_len=256, num_blocks=512,
                       cuda_graphs=where.type == "cuda", seed=seed)
-        adapters: list[AdapterId | None] = [None, *bench.add_adapters(RANKS)]
-        outputs[where.type] = bench.greedy(adapters, prompts, tokens=24)
+        bench.executor.capture_logits = True
+        used: list[AdapterId | None] = [None, *bench.add_adapters(ranks)]
+        outputs[where.type] = bench.greedy(used, prompts, tokens=24)
+        logits[where.type] = {rid: torch.stack(rows) for rid, rows in bench.executor.captured_logits.items()}
         bench.close()
-    same = outputs[device.type] == outputs["cpu"]
-    print(f"greedy tokens, float32, {device.type} vs cpu: {'identical' if same else 'DIFFERENT'}")
-    return {"device": device.type, "identical": same, "requests": len(prompts)}
+    pairs = list(zip(outputs[device.type], outputs["cpu"], strict=True))
+    differing = [i for i, (a, b) in enumerate(pairs) if a != b]
+    diff = 0.0
+    for i, (a, b) in enumerate(pairs):  # rows past the first differing token see different contexts
+        rows = next((t for t, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)) + 1
+        ours, cpu = logits[device.type][f"g{i}"][:rows], logits["cpu"][f"g{i}"][:rows]
+        diff = max(diff, float((ours - cpu).abs().max()))
+    same = not differing
+    print(f"greedy tokens, float32, {device.type} vs cpu: {'identical' if same else 'DIFFERENT'} "
+          f"({len(prompts)} requests, adapter ranks {ranks} and one base request); largest logit "
+          f"difference {diff:.1e}")
+    return {"device": device.type, "identical": same, "requests": len(prompts), "adapter_ranks": ranks,
+            "differing_requests": differing, "tokens_per_request": 24, "max_abs_logit_diff": diff}
 
 
 def gpu_series(decode: list[DecodeResult], attention: list[AttentionTiming]) -> list[Series]:

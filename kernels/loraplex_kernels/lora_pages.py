@@ -148,13 +148,38 @@ def adapter_rows(weights: LoraWeights, layer: int, layout: RowLayout, rank: int,
     return rows
 
 
+def host_pages(weights: LoraWeights, layer: int, layout: RowLayout, rank: int, scaling: float,
+               num_elements: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer of an adapter as its pages hold it, on the host: its rows, then zeros up to
+    `num_elements` (whole pages), in `dtype`. Written into `out` when given (a staged buffer)."""
+    flat = torch.zeros(num_elements, dtype=dtype) if out is None else out
+    used = rank * layout.row_len
+    flat[:used] = adapter_rows(weights, layer, layout, rank, scaling).view(-1)
+    if out is not None:
+        flat[used:] = 0
+    return flat
+
+
+def stage_adapter(weights: LoraWeights, scaling: float, layout: RowLayout, rank: int, num_layers: int,
+                  num_elements: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
+    """Every layer's `host_pages` in one host tensor [num_layers, num_elements], page-locked with
+    `pin_memory` (CUDA only), so `write_adapter(staged=...)` is one asynchronous copy per layer."""
+    staged = torch.empty(num_layers, num_elements, dtype=dtype, pin_memory=pin_memory)
+    for layer in range(num_layers):
+        host_pages(weights, layer, layout, rank, scaling, num_elements, dtype, out=staged[layer])
+    return staged
+
+
 def write_adapter(kv_caches: Sequence[KVCache], pages: Sequence[int], weights: LoraWeights, scaling: float,
-                  layout: RowLayout, rank: int, on_layer: Callable[[int, int], None] | None = None) -> int:
+                  layout: RowLayout, rank: int, on_layer: Callable[[int, int], None] | None = None,
+                  staged: torch.Tensor | None = None) -> int:
     """Write one adapter into `pages` of every layer: the host->device copy; returns the bytes
     moved. Safe to call from another thread (it touches only the adapter's own pages). Per layer
-    the rows are laid out on the host, padded to whole pages, and copied in one transfer, then
-    scattered into the K and V halves of the pages by two index copies; `on_layer(layer, bytes so
-    far)` runs after each layer's copy is queued (layer-by-layer loading waits there)."""
+    the rows are laid out on the host (`host_pages`, or taken from `staged`, `stage_adapter`'s
+    tensor), copied in one transfer, then scattered into the K and V halves of the pages by two
+    index copies; `on_layer(layer, bytes so far)` runs after each layer's copy is queued
+    (layer-by-layer loading waits there). From a staged tensor the copy is non-blocking: on CUDA,
+    with the tensor pinned, it returns once queued on the current stream."""
     if not kv_caches:
         return 0
     k0 = kv_caches[0][0]
@@ -163,11 +188,16 @@ def write_adapter(kv_caches: Sequence[KVCache], pages: Sequence[int], weights: L
     if len(pages) < needed:
         raise ValueError(f"an adapter of rank {rank} and row length {layout.row_len} needs {needed} pages, "
                          f"got {len(pages)}")
+    if staged is not None and (tuple(staged.shape), staged.dtype) != ((len(kv_caches), needed * elements), k0.dtype):
+        raise ValueError(f"the staged adapter is {tuple(staged.shape)} {staged.dtype}, the pages take "
+                         f"{(len(kv_caches), needed * elements)} {k0.dtype}")
     index = torch.tensor(list(pages[:needed]), dtype=torch.int64, device=k0.device)
     for layer, (k_cache, v_cache) in enumerate(kv_caches):
-        flat = torch.zeros(needed * elements, dtype=k_cache.dtype)
-        flat[:rank * layout.row_len] = adapter_rows(weights, layer, layout, rank, scaling).view(-1)
-        halves = flat.to(k_cache.device).view(needed, 2, elements // 2)
+        if staged is None:
+            flat = host_pages(weights, layer, layout, rank, scaling, needed * elements, k_cache.dtype)
+        else:
+            flat = staged[layer]
+        halves = flat.to(k_cache.device, non_blocking=staged is not None).view(needed, 2, elements // 2)
         k_cache.view(k_cache.shape[0], -1).index_copy_(0, index, halves[:, 0])
         v_cache.view(v_cache.shape[0], -1).index_copy_(0, index, halves[:, 1])
         if on_layer is not None:

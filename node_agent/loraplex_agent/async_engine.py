@@ -301,7 +301,7 @@ class AsyncEngine:
         for name, info in list(self._unloading.items()):
             if info.id not in busy:
                 self.core.remove_adapter(name)
-                self.llm.adapters.remove(info.id)
+                self.llm.drop_host(info.id)
                 del self._unloading[name]
 
     def _take_snapshot(self) -> EngineSnapshot:

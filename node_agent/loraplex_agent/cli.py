@@ -10,6 +10,7 @@ import os
 from loraplex.cli import CommandRegistry, run_module
 from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.util.args import existing_dir
+from loraplex_agent.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)
@@ -52,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run a request whose adapter is still being copied in, computing its LoRA terms on the "
                         "CPU for the layers not on the device yet (Toppings; auto: on with CUDA or "
                         "--emulate-h2d-gbps); docs/engine.md")
+    p.add_argument("--pinned-adapter-memory", type=float, default=DEFAULT_PINNED_ADAPTER_GIB, metavar="GIB",
+                   help="page-locked host memory for adapters on CUDA, so their copies to the device are "
+                        "asynchronous DMA; the adapters least recently loaded past it copy from pageable memory")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (as vLLM's flag; they are used on CUDA otherwise)")
     p.add_argument("--threads", type=int, default=None,

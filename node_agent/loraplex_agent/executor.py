@@ -45,9 +45,10 @@ from loraplex_agent.decode_graphs import DecodeGraphs
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.host_kv import HostKVPool
 from loraplex_agent.model.llama import ForwardBatch, LlamaModel
-from loraplex_agent.model.lora_pages import PagedAdapters, lora_groups
+from loraplex_agent.model.lora_pages import PagedAdapters, Staged, lora_groups
 from loraplex_agent.model.weights import load_state_dict
 from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB, PinnedAdapters, pins_adapters
 from loraplex_agent.prompt_logits import PromptRows, prompt_logprobs
 from loraplex_agent.sampler import Sampler
 
@@ -58,7 +59,8 @@ class TorchExecutor:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, get_adapter: GetAdapter, model_dir: str | Path | None = None,
                  seed: int | None = None, emulate_h2d_gbps: float | None = None,
-                 cpu_assist_workers: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 cpu_assist_workers: int | None = None, cuda_graphs: bool | None = None,
+                 pinned_adapter_gib: float = DEFAULT_PINNED_ADAPTER_GIB) -> None:
         self.model_config = model_config
         self.config = engine_config
         self.device = device
@@ -70,6 +72,8 @@ class TorchExecutor:
                                 device, dtype)
         self.kv_caches = [self._cache_tensors() for _ in range(model_config.num_hidden_layers)]
         self.adapters = PagedAdapters(model_config, self.kv_caches)
+        # adapters' rows staged in pinned memory, so that loads are asynchronous DMA (CUDA only)
+        self.pinned = PinnedAdapters(self.adapters, int(pinned_adapter_gib * 2**30)) if pins_adapters(device) else None
         self.host_kv = HostKVPool.like(self.kv_caches, engine_config.num_host_blocks) if engine_config.num_host_blocks else None
         self.copies = CopyEngine(device, emulate_h2d_gbps=emulate_h2d_gbps)
         self._loading: dict[int, tuple[int, AdapterPages]] = {}  # job -> (handle, adapter) of a background load
@@ -116,6 +120,16 @@ class TorchExecutor:
         """Pages of an adapter of `rank` that wraps every target module (a fixed slot's size)."""
         return self.adapters.pages_for_rank(rank)
 
+    def stage_adapter(self, adapter: HostAdapter) -> None:
+        """A newly registered adapter: stage it in pinned memory while that fits (CUDA)."""
+        if self.pinned is not None:
+            self.pinned.add(adapter)
+
+    def forget_adapter(self, adapter_id: AdapterId) -> None:
+        """An unregistered adapter: drop its staged rows."""
+        if self.pinned is not None:
+            self.pinned.discard(adapter_id)
+
     def close(self) -> None:
         self.copies.close()
         if self.assist is not None:
@@ -158,7 +172,7 @@ class TorchExecutor:
             if load.asynchronous and self.assist is not None:
                 record, write = self._layered_copy(load.slot, host, load.pages)
             else:
-                record, write = self.adapters.copy_job(host, load.pages)
+                record, write = self.adapters.copy_job(host, load.pages, staged=self._staged())
             if load.asynchronous:
                 self._loading[load.job] = (load.slot, record)
                 self.copies.submit(load.job, write)
@@ -192,7 +206,7 @@ class TorchExecutor:
             self.copies.settle(nbytes, began[0])
             progress.mark(layer)
 
-        record, write = self.adapters.copy_job(host, pages, on_layer=arrived)
+        record, write = self.adapters.copy_job(host, pages, on_layer=arrived, staged=self._staged())
         self._assisted[handle] = AssistedAdapter.of(host, record, progress)
 
         def job() -> int:
@@ -204,6 +218,9 @@ class TorchExecutor:
                 raise
 
         return record, job
+
+    def _staged(self) -> Staged | None:
+        return self.pinned.rows if self.pinned is not None else None
 
     def _row_order(self, chunk: ScheduledChunk) -> tuple[bool, int, int]:
         """Decode rows first, then prefill chunks; each part grouped by adapter handle (a decode row

@@ -22,7 +22,7 @@ from loraplex.engine.core import EngineCore
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
 from loraplex.engine.scheduling.schedulers import parse_scheduler_options
-from loraplex.spec.adapter import AdapterInfo
+from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters import AdapterStore, load_peft_adapter
 from loraplex_agent.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
@@ -30,6 +30,7 @@ from loraplex_agent.executor import TorchExecutor
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.json_mode import TokenTexts
 from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB
 
 Prompt = str | list[int]
 
@@ -51,6 +52,7 @@ class LLM:
                    emulate_h2d_gbps=getattr(args, "emulate_h2d_gbps", None),
                    cpu_assist={"on": True, "off": False}.get(getattr(args, "cpu_assist", "auto")),
                    cuda_graphs=False if getattr(args, "enforce_eager", False) else None,
+                   pinned_adapter_gib=getattr(args, "pinned_adapter_memory", DEFAULT_PINNED_ADAPTER_GIB),
                    served_model_name=getattr(args, "served_model_name", None),
                    threads=getattr(args, "threads", None))
 
@@ -66,6 +68,7 @@ class LLM:
                  memory_options: dict | None = None, emulate_h2d_gbps: float | None = None,
                  cpu_assist: bool | None = None, cpu_assist_workers: int | None = None,
                  cuda_graphs: bool | None = None,
+                 pinned_adapter_gib: float = DEFAULT_PINNED_ADAPTER_GIB,
                  served_model_name: str | None = None,
                  seed: int | None = None, threads: int | None = None) -> None:
         from transformers import AutoTokenizer
@@ -93,7 +96,7 @@ class LLM:
         self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
                                       self.adapters.get, model_dir=self.model_dir, seed=seed,
                                       emulate_h2d_gbps=emulate_h2d_gbps, cpu_assist_workers=cpu_assist_workers,
-                                      cuda_graphs=cuda_graphs)
+                                      cuda_graphs=cuda_graphs, pinned_adapter_gib=pinned_adapter_gib)
         self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
@@ -121,16 +124,22 @@ class LLM:
         """Make an adapter already in host memory servable (the engine sizes its pages from it)."""
         self.adapters.add(host)
         try:
+            self.executor.stage_adapter(host)  # in pinned memory on CUDA, before any load of it
             self.core.add_adapter(host.info, pinned=pinned)
         except Exception:
-            self.adapters.remove(host.id)
+            self.drop_host(host.id)
             raise
 
     def remove_adapter(self, name: str) -> AdapterInfo:
         """Stop serving `name`. Its host copy is dropped; call between `generate` calls."""
         info = self.core.remove_adapter(name)
-        self.adapters.remove(info.id)
+        self.drop_host(info.id)
         return info
+
+    def drop_host(self, adapter_id: AdapterId) -> None:
+        """Drop the host copy of an adapter the core no longer serves (and its pinned rows)."""
+        self.adapters.remove(adapter_id)
+        self.executor.forget_adapter(adapter_id)
 
     # ---- generation -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import torch
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.model_config import LORA_MODULES, ModelConfig
 from loraplex_kernels.lora import LoraGroup
@@ -20,6 +21,7 @@ from loraplex_kernels.lora_pages import (
     RowLayout,
     page_elems,
     pages_for,
+    stage_adapter,
     weights_rank,
     write_adapter,
 )
@@ -53,12 +55,17 @@ def full_row_len(config: ModelConfig) -> int:
     return sum(sum(config.module_shape(m)) for m in LORA_MODULES)
 
 
+Staged = Callable[[HostAdapter], torch.Tensor | None]
+"""An adapter's rows as `stage_adapter` lays them out (pinned on CUDA), or None to lay them out now."""
+
+
 def write_host_adapter(kv_caches: Sequence[KVCache], adapter: HostAdapter, pages: Sequence[int],
-                       on_layer: Callable[[int, int], None] | None = None) -> int:
+                       on_layer: Callable[[int, int], None] | None = None, staged: Staged | None = None) -> int:
     """Copy `adapter` into `pages` of every layer (the host -> device copy; callable from a copy
-    thread); returns the bytes moved. `on_layer` as in `write_adapter`."""
+    thread); returns the bytes moved. `on_layer` as in `write_adapter`; `staged` is asked for the
+    adapter's staged rows when the copy runs."""
     return write_adapter(kv_caches, pages, adapter.weights, adapter.scaling, adapter_layout(adapter),
-                         adapter_rank(adapter), on_layer)
+                         adapter_rank(adapter), on_layer, staged(adapter) if staged is not None else None)
 
 
 class PagedAdapters:
@@ -91,11 +98,18 @@ class PagedAdapters:
         """Pages of an adapter of `rank` that wraps every target module."""
         return pages_for(rank, full_row_len(self.config), self.page_elements)
 
+    def stage(self, adapter: HostAdapter, pin_memory: bool = False) -> torch.Tensor:
+        """`adapter`'s rows as its pages hold them, every layer, in host memory (`stage_adapter`)."""
+        return stage_adapter(adapter.weights, adapter.scaling, adapter_layout(adapter), adapter_rank(adapter),
+                             len(self.kv_caches), self.pages_needed(adapter) * self.page_elements,
+                             self.kv_caches[0][0].dtype, pin_memory)
+
     def copy_job(self, adapter: HostAdapter, pages: Sequence[int],
-                 on_layer: Callable[[int, int], None] | None = None) -> tuple[AdapterPages, Callable[[], int]]:
+                 on_layer: Callable[[int, int], None] | None = None,
+                 staged: Staged | None = None) -> tuple[AdapterPages, Callable[[], int]]:
         """The record to serve `adapter` from `pages` once written, and the write itself (returns
-        the bytes moved; may run on another thread; `on_layer` as in `write_adapter`). Raises
-        ValueError for too few pages."""
+        the bytes moved; may run on another thread; `on_layer` and `staged` as in
+        `write_host_adapter`). Raises ValueError for too few pages."""
         needed = self.pages_needed(adapter)
         if len(pages) < needed:
             raise ValueError(f"adapter {adapter.id.name!r} (rank {adapter_rank(adapter)}) needs {needed} pages, "
@@ -105,7 +119,7 @@ class PagedAdapters:
         pages = list(pages[:needed])
         record = AdapterPages.create(pages, adapter_rank(adapter), adapter_layout(adapter),
                                      self.kv_caches[0][0].device)
-        return record, partial(write_host_adapter, self.kv_caches, adapter, pages, on_layer=on_layer)
+        return record, partial(write_host_adapter, self.kv_caches, adapter, pages, on_layer=on_layer, staged=staged)
 
     def load(self, handle: int, adapter: HostAdapter, pages: Sequence[int]) -> int:
         """Write `adapter` into `pages` now and serve it under `handle`; returns the bytes moved."""
