@@ -7,10 +7,16 @@
 - `redis_url`: the same URL, with the database flushed before the test.
 - `free_port`: a function returning a free TCP port on 127.0.0.1; `port_in_use`: one this process listens on.
 - `start_redis`: `with start_redis(port, workdir) as url:` a redis-server of the test's own.
+
+Without a GPU the Triton kernels run in Triton's interpreter. TRITON_INTERPRET must be set before
+anything imports triton (kernels are wrapped at decoration), so it is set here, before any test
+module is collected: whichever test first imports a kernel (the kernel tests, the GPU run's
+rehearsal, an engine test) gets the interpreter, in any order.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -20,8 +26,15 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
+import torch
+from triton_interpreter import patch_interpreter_index
 
 from loraplex.ports import free_port as free_port_now
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_interpreter_index()
 
 REDIS_SERVER = "/usr/bin/redis-server"
 TINY_MODEL_ADAPTERS = 8

@@ -24,7 +24,7 @@ PART_FILES = ["part1-greedy.json", "part2-kernels.json", "part3-decode.json", "p
 
 @pytest.mark.slow
 def test_the_rehearsal_runs_every_part_and_writes_its_json(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as tests/kernels: before the kernels import triton
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as tests/conftest.py does: before the kernels import triton
     patch_interpreter_index()
     out = tmp_path / "run"
     code = main(["bench", "gpu", "--all", "--device", "cpu", "--shape", "tiny", "--out", str(out)])

@@ -2,7 +2,7 @@
 reference: adapter mixes, ranks 1..256 in one batch, module subsets and rank_pattern, base rows,
 padded no-op segments of fixed-shape tables, half precision, and the backend switch.
 
-Without a GPU they run in Triton's interpreter (tests/kernels/conftest.py sets TRITON_INTERPRET),
+Without a GPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
 which is slow: the shapes are tiny and each case covers several properties at once."""
 
 from __future__ import annotations
