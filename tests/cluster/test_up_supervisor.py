@@ -193,3 +193,30 @@ def test_5_an_adapter_folder_as_model_is_refused_before_anything_starts(tiny_mod
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "an adapter folder (adapter_config.json)" in lines[0]
     assert not (tmp_path / "work").exists()
+
+
+def test_the_backoff_doubles_to_its_cap_and_starts_over_after_a_steady_run(tmp_path: Path) -> None:
+    """The Supervisor's schedule alone, with a clock of its own and a child that exits at once."""
+    from loraplex_local.processes import Child, Supervisor
+
+    now = [0.0]
+    supervisor = Supervisor(first_s=1, max_s=4, steady_s=60, clock=lambda: now[0])
+    child = Child("agent", [sys.executable, "-c", "pass"], tmp_path).start()
+    child.process.wait()
+    waits = []
+    for _ in range(4):
+        supervisor.check([child])  # says it, and when it starts again
+        due = supervisor._due["agent"]
+        waits.append(due - now[0])
+        now[0] = due
+        assert supervisor.check([child]) == [child]
+        child.process.wait()
+    assert waits == [1, 2, 4, 4]
+    now[0] += 61
+    child.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    supervisor.check([child])  # seen running
+    now[0] += 61
+    child.process.kill()
+    child.process.wait()
+    supervisor.check([child])
+    assert supervisor._due["agent"] - now[0] == 1  # a minute up: from the first backoff again
