@@ -407,7 +407,7 @@ class LocalStack:
         interval = self.config.placement_interval_s or (None if pool else DEFAULT_INTERVAL_S)
         try:
             return build_controller(self.store, placement, WallClock(), random.Random(self.pool), self.bounds,
-                                    gpu=False, server_filter=self.serving, routing=self.routing,
+                                    self.routing, gpu=False, server_filter=self.serving,
                                     policy=self.config.placement, interval_s=interval)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
