@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import terminate
+from processes import alive, terminate
 from stack_manifests import deployment_yaml, pool_yaml
 from waiting import wait_for, wait_until
 
@@ -156,22 +156,13 @@ def test_3_kill_9_of_up_leaves_nothing_behind(tiny_model, tmp_path: Path) -> Non
         children = {port: up.pid(port) for port in (up.router, up.agent, up.redis)}
         up.process.kill()
         up.process.wait()
-        wait_for("every child of up gone", lambda: not any(_alive(pid) for pid in children.values()), 30)
+        wait_for("every child of up gone", lambda: not any(alive(pid) for pid in children.values()), 30)
         assert not any(in_use(port) for port in children)  # the next `up` on these ports starts
     finally:
         terminate(up.process, 60)
         for pid in children.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
-    return state not in ("Z", "X")  # a zombie has exited: only its parent has not read its status
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
