@@ -75,10 +75,8 @@ class PlacementController:
     operator's view of its LoRADeployments); adapters it leaves out need one server.
     `server_filter`, when given, keeps the heartbeating servers that may serve (the operator keeps
     those whose pod is Ready). `routing`, when given, is called at each placement for the pool's
-    routing choice (its AdapterPool's spec.routing), which the table carries to the routers; a choice
-    the routers would refuse is never published (the last table's stays), and without `routing` a new
-    table keeps the last one's.
-    """
+    routing choice (its AdapterPool's spec.routing), which the table carries to the routers (none
+    without it); a choice the routers would refuse is never published: the last table's stays."""
 
     def __init__(self, store: RoutingStore, policy: PlacementPolicy, clock: Clock, interval_s: float,
                  operating_points: OperatingPoints, windows: int = DEFAULT_WINDOWS,
@@ -168,6 +166,6 @@ class PlacementController:
         return ControllerReport("published", version, **report)
 
     def _routing(self, observed: _Observed, previous: RoutingTable | None) -> RoutingChoice | None:
-        if self.routing is not None and not routing_error(observed.routing):
-            return observed.routing
-        return previous.routing if previous is not None else None
+        if routing_error(observed.routing):
+            return previous.routing if previous is not None else None
+        return observed.routing
