@@ -1,13 +1,10 @@
 """Child processes of the local stack: started with their output in a log file, stopped politely,
-and bound to the stack's life: on Linux each child asks the kernel (prctl PR_SET_PDEATHSIG) for SIGTERM
-when the process that started it dies, so even `kill -9` of `loraplex up` leaves no agent, router or
-redis-server holding its port. A Supervisor restarts children that exit, with backoff, as a kubelet
-restarts containers."""
+and bound to the stack's life (loraplex.util.lifetime: on Linux the kernel sends each child SIGTERM
+when `up` dies), so even `kill -9` of `loraplex up` leaves no agent, router or redis-server holding
+its port. A Supervisor restarts children that exit, with backoff, as a kubelet restarts containers."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -20,36 +17,10 @@ from pathlib import Path
 
 import httpx
 
+from loraplex.util.lifetime import die_with_this_process
+
 LORAPLEX = [sys.executable, "-m", "loraplex.cli"]
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 log = logging.getLogger("loraplex.up")
-
-
-def _prctl() -> Callable[..., int] | None:
-    """libc's prctl, looked up here (not in the forked child, where only async-signal-safe work is safe)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _prctl()
-
-
-def _die_with(parent: int) -> Callable[[], None] | None:
-    """The child's pre-exec step: SIGTERM when `parent` dies (kept across exec), and exit at once if it
-    died already, between fork and here."""
-    if _PRCTL is None:
-        return None
-
-    def bind() -> None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return bind
 
 
 class Child:
@@ -68,7 +39,7 @@ class Child:
         # The kernel's parent-death signal is sent when the *thread* that forked exits: children are
         # started from the thread that runs the stack to its end (the main thread of `loraplex up`).
         self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True, preexec_fn=_die_with(os.getpid()))
+                                        start_new_session=True, preexec_fn=die_with_this_process())
         log.close()
         return self
 

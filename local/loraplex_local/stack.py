@@ -80,7 +80,7 @@ class LocalStack:
         self.store: RedisRoutingStore | None = None
         self.controller: PlacementController | None = None
         self.desired: dict[str, AdapterRecord] = {}
-        self._records: dict[str, tuple[tuple[str, str], AdapterRecord]] = {}
+        self._records: dict[str, tuple[tuple[str, str, str], AdapterRecord]] = {}
         self._fingerprint: tuple | None = None
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()  # held by tick() and by placement_paused()
@@ -297,7 +297,8 @@ class LocalStack:
         return desired
 
     def _record(self, name: str, deployment: LoRADeployment, path: Path) -> AdapterRecord:
-        """The deployment's record, hashed again only when its manifest or the pool changed."""
+        """The deployment's record, hashed again only when its manifest or the pool changed (a record
+        that could not be made is tried again at every tick: an adapter folder made later is found)."""
         pool = self._pool_spec()
         key = (str(path), deployment.model_dump_json(), pool.model_dump_json() if pool else "")
         cached = self._records.get(name)
@@ -316,7 +317,8 @@ class LocalStack:
         if at_start and errors:
             more = f" (and {len(errors) - 1} more bad files)" if len(errors) > 1 else ""
             raise ManifestError(next(iter(errors.values())) + more)
-        self._reporter.forget(set(errors) | {path for _, path in manifests.deployments.values()})
+        keep = {path for _, path in manifests.deployments.values()} | {manifests.pool_path}
+        self._reporter.forget(set(errors) | keep)
         for path, error in errors.items():
             self._reporter.say(path, error)
         _, error = spec_failure(manifests.pool.spec) if manifests.pool else ("", "")
@@ -405,7 +407,7 @@ class LocalStack:
         interval = self.config.placement_interval_s or (None if pool else DEFAULT_INTERVAL_S)
         try:
             return build_controller(self.store, placement, WallClock(), random.Random(self.pool), self.bounds,
-                                    gpu=False, server_filter=self.serving, routing=self.routing,
+                                    self.routing, gpu=False, server_filter=self.serving,
                                     policy=self.config.placement, interval_s=interval)
         except ValueError as exc:
             raise CommandError(str(exc)) from exc

@@ -19,7 +19,7 @@ from loraplex.placement.snapshot import (
     PlacementInput,
     PlacementServer,
 )
-from loraplex.routing.choice import RoutingChoice
+from loraplex.routing.choice import RoutingChoice, routing_error
 from loraplex.routing.demand import DEFAULT_WINDOWS, DemandWindows
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError
@@ -75,8 +75,8 @@ class PlacementController:
     operator's view of its LoRADeployments); adapters it leaves out need one server.
     `server_filter`, when given, keeps the heartbeating servers that may serve (the operator keeps
     those whose pod is Ready). `routing`, when given, is called at each placement for the pool's
-    routing choice that the table carries to the routers (`loraplex up` reads it from the AdapterPool);
-    without it a new table keeps the last one's (the operator edits it between placements)."""
+    routing choice (its AdapterPool's spec.routing), which the table carries to the routers (none
+    without it); a choice the routers would refuse is never published: the last table's stays."""
 
     def __init__(self, store: RoutingStore, policy: PlacementPolicy, clock: Clock, interval_s: float,
                  operating_points: OperatingPoints, windows: int = DEFAULT_WINDOWS,
@@ -166,6 +166,6 @@ class PlacementController:
         return ControllerReport("published", version, **report)
 
     def _routing(self, observed: _Observed, previous: RoutingTable | None) -> RoutingChoice | None:
-        if self.routing is not None:
-            return observed.routing
-        return previous.routing if previous is not None else None
+        if routing_error(observed.routing):
+            return previous.routing if previous is not None else None
+        return observed.routing

@@ -4,7 +4,7 @@ keep no copy: the operator (API server, pods) and `loraplex up` (files, processe
 "One pool control plane"."""
 
 from loraplex.pool.bounds import ReplicaBounds, replica_bounds
-from loraplex.pool.controller import build_controller
+from loraplex.pool.controller import build_controller, routing_pending
 from loraplex.pool.policy import MAX_SERVER_LOAD, PoolPolicy, server_loads
 from loraplex.pool.records import (
            AdapterFacts,
@@ -23,4 +23,4 @@ from loraplex.pool.refusal import (
 
 __all__ = ["INVALID_ENGINE", "INVALID_ROUTING", "MAX_SERVER_LOAD", "VOLUME_CONFLICT", "AdapterFacts",
            "AdapterFactsError", "PoolPolicy", "ReplicaBounds", "adapter_record", "build_controller", "check_declared",
-           "config_facts", "replica_bounds", "server_loads", "spec_failure", "volume_conflicts"]
+           "config_facts", "replica_bounds", "routing_pending", "server_loads", "spec_failure", "volume_conflicts"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplex.spec.crd import AdapterPoolSpec, EngineSpec
-from loraplex.spec.engine_settings import ENGINE_SETTINGS
+from loraplex.spec.engine_settings import AGENT_SETTINGS, ENGINE_SETTINGS
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ def agent_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
 
 def _shared_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
     """What both backends' engines are sized by."""
-    return [AgentFlag("--dtype", spec.base_model.dtype, "LORAPLEX_DTYPE"),
+    dtype = AGENT_SETTINGS["dtype"]
+    return [AgentFlag(dtype.flag, spec.base_model.dtype, dtype.env),
             *_settings(spec.engine, "max_lora_rank", "max_loras", "max_num_seqs", "max_model_len")]
 
 
@@ -52,10 +53,9 @@ def _loraplex_flags(engine: EngineSpec) -> list[AgentFlag]:
     """Our engine's batching, memory and scheduling."""
     flags = _settings(engine, "max_num_batched_tokens", "block_size", "scheduler", "memory_policy", "kv_cache_memory_gib")
     if not engine.prefix_cache:
-        flags.append(AgentFlag("--no-prefix-cache"))
-    for flag, options in (("--scheduler-option", engine.scheduler_options),
-                          ("--memory-option", engine.memory_options)):
-        flags += [AgentFlag(flag, f"{key}={value}") for key, value in sorted(options.items())]
+        flags.append(AgentFlag(AGENT_SETTINGS["no_prefix_cache"].flag))
+    for name, options in (("scheduler_option", engine.scheduler_options), ("memory_option", engine.memory_options)):
+        flags += [AgentFlag(AGENT_SETTINGS[name].flag, f"{key}={value}") for key, value in sorted(options.items())]
     return flags
 
 

@@ -4,6 +4,9 @@ A setting's snake_case name is the AdapterPool's `spec.engine` field (camelCase 
 `loraplex agent` flag (kebab case), its argparse dest and the pool ConfigMap's `LORAPLEX_*` variable.
 The CRD model (`EngineSpec`), the agent's arguments, the flag translator both the operator and
 `loraplex up` use (`agent_flags`) and the table in docs/engine.md all derive from `ENGINE_SETTINGS`.
+`AGENT_SETTINGS` are the engine's own flags that no `spec.engine` field of that name sets (the agent,
+`loraplex profile` and the benchmarks take them; a pool passes them in `engine.extraArgs`, or through
+`schedulerOptions`, `memoryOptions`, `prefixCache` and `baseModel.dtype`), declared the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class EngineSetting:
     constraints: Mapping[str, Any] = field(default_factory=dict)  # the CRD field's bounds: ge, le, gt, pattern
     flag_name: str = ""                      # when the flag is not the name in kebab case
     metavar: str | None = None
+    action: str | None = None                # "store_true" (a switch) or "append" (repeatable); None: a value
 
     @property
     def flag(self) -> str:
@@ -50,9 +54,14 @@ class EngineSetting:
 
     def add_to(self, parser: argparse.ArgumentParser | argparse._ArgumentGroup, **overrides: Any) -> None:
         """The flag; a command whose default or help differs (a benchmark's own) says so in `overrides`."""
+        if self.action == "store_true":
+            parser.add_argument(self.flag, **({"action": "store_true", "help": self.help} | overrides))
+            return
         bounds = {k: v for k, v in self.constraints.items() if k in ("ge", "le", "gt")}
         kind = bounded(self.type, **bounds) if bounds else self.type  # the CRD's bounds, on the flag too
         options: dict[str, Any] = {"type": kind, "default": self.default, "help": self.help}
+        if self.action == "append":
+            options |= {"action": "append", "default": list(self.default)}  # a list of its own per parser
         if self.choices:
             options["choices"] = list(self.choices)
         if self.metavar:
@@ -104,6 +113,40 @@ ENGINE_SETTINGS: dict[str, EngineSetting] = {s.name: s for s in (
            "slots (lru-static) or S-LoRA's drop-when-idle (no-cache); docs/engine.md",
            "unified (one page pool, prefix and adapter cache), lru-static or no-cache"),
 )}
+
+
+AGENT_SETTINGS: dict[str, EngineSetting] = {s.name: s for s in (
+    EngineSetting("dtype", str, "auto", "the weights' dtype: auto is the checkpoint's on CUDA and float32 on the CPU",
+                  choices=("auto", "float32", "bfloat16", "float16")),
+    EngineSetting("device", str, "auto", "cpu, cuda, cuda:N or auto (CUDA when available)"),
+    _int("num_blocks", None, "KV blocks; default: sized from memory", ge=1),
+    EngineSetting("scheduler_option", str, (), "a knob of the scheduler, e.g. refresh_s=60 or slo_s=2 (repeatable)",
+                  metavar="KEY=VALUE", action="append"),
+    EngineSetting("no_prefix_cache", bool, False, "do not reuse the KV of earlier requests", action="store_true"),
+    _int("num_host_blocks", None, "host-memory KV blocks that evicted prefixes move to (default: as many as the "
+         "device has; 0 drops evicted KV)", ge=0),
+    EngineSetting("memory_option", str, (), "a knob of the memory policy, e.g. busy=0.9 or score=chameleon "
+                  "(repeatable)", metavar="KEY=VALUE", action="append"),
+    EngineSetting("emulate_h2d_gbps", float, None, "EMULATION: charge every host->device byte at this bandwidth "
+                  "(e.g. 25 for PCIe 4.0 x16), so that a CPU-only machine shows what adapter and KV copies cost "
+                  "on a GPU server", constraints={"gt": 0}, metavar="GBPS"),
+    EngineSetting("cpu_assist", str, "auto", "run a request whose adapter is still being copied in, computing its "
+                  "LoRA terms on the CPU for the layers not on the device yet (Toppings; auto: on with CUDA or "
+                  "--emulate-h2d-gbps); docs/engine.md", choices=("auto", "on", "off")),
+    EngineSetting("pinned_adapter_memory_gib", float, 8.0, "page-locked host memory for adapters on CUDA, so their "
+                  "copies to the device are asynchronous DMA; the adapters least recently loaded past it copy from "
+                  "pageable memory", constraints={"ge": 0}, flag_name="pinned-adapter-memory", metavar="GIB"),
+    EngineSetting("enforce_eager", bool, False, "no CUDA graphs for decode steps (as vLLM's flag; they are used on "
+                  "CUDA otherwise)", action="store_true"),
+    _int("threads", None, "torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)",
+         ge=1),
+)}
+
+
+def add_agent_settings(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The engine's own flags (`AGENT_SETTINGS`)."""
+    for setting in AGENT_SETTINGS.values():
+        setting.add_to(parser)
 
 
 def add_engine_settings(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str,

@@ -32,7 +32,8 @@ from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.routing.records import ServerBatch, ServerLoad
 from loraplex.spec.adapter import AdapterInfo
-from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError
+from loraplex.spec.errors import LoraplexError, NotFoundError
+from loraplex_agent.adapter_registry import AdapterRecord, AdapterRegistry
 from loraplex_agent.adapters import load_peft_adapter
 from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
 from loraplex_agent.cluster.engine_view import open_batch
@@ -48,12 +49,6 @@ T = TypeVar("T")
 class EngineDeadError(LoraplexError):
     status = 503
     type = "service_unavailable"
-
-
-@dataclass
-class AdapterRecord:
-    info: AdapterInfo
-    path: str
 
 
 @dataclass
@@ -86,7 +81,7 @@ class AsyncEngine:
         self.stall_timeout_s = stall_timeout_s
         self.core = llm.core
         self.max_model_len = llm.core.config.max_model_len
-        self.adapters: dict[str, AdapterRecord] = {}  # the loop's view: loaded and not unloading
+        self.adapters = AdapterRegistry()  # servable by name; the engine thread also reads and changes it
         self.error: BaseException | None = None
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
@@ -96,7 +91,6 @@ class AsyncEngine:
         self._iteration_started: float | None = None  # monotonic; None between iterations
         # owned by the engine thread
         self._streams: dict[str, _Stream] = {}
-        self._unloading: dict[str, AdapterInfo] = {}
         self._scheduler_stats: SchedulerStats | None = None
         self._scheduler_stats_at = 0.0
         self._memory_stats: MemoryStats | None = None
@@ -197,15 +191,13 @@ class AsyncEngine:
     async def add_adapter(self, name: str, path: str | Path, pinned: bool = False) -> AdapterInfo:
         """Read and validate the adapter off the engine thread, then register it on it; a pinned
         adapter is copied to the device now and never evicted."""
-        if name in self.adapters:
-            raise ConflictError(f"adapter {name!r} is already loaded; unload it first", param="lora_name")
+        self.adapters.check_free(name)  # again on the engine thread; here it spares reading the weights
         if not Path(path).exists():
             raise NotFoundError(f"adapter path {str(path)!r} does not exist", param="lora_path")
         host = await asyncio.to_thread(
             load_peft_adapter, name, path, self.llm.model_config, self.core.config.max_lora_rank,
             base_model_aliases=[self.llm.served_model_name])
-        await self._call(lambda: self._register_adapter(host, pinned))
-        self.adapters[name] = AdapterRecord(host.info, str(path))
+        await self._call(lambda: self._register_adapter(AdapterRecord(host.info, str(path)), host, pinned))
         return host.info
 
     async def remove_adapter(self, name: str) -> AdapterInfo:
@@ -215,11 +207,7 @@ class AsyncEngine:
 
     async def unload_adapter(self, name: str) -> tuple[AdapterInfo, int]:
         """`remove_adapter`, also saying how many accepted requests still run on the adapter."""
-        if name not in self.adapters:
-            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
-        info, draining = await self._call(lambda: self._unload_adapter(name))
-        self.adapters.pop(name, None)
-        return info, draining
+        return await self._call(lambda: self._unload_adapter(name))
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -265,11 +253,11 @@ class AsyncEngine:
 
     def _add_request(self, stream: _Stream, adapter: str | None) -> None:
         if adapter is not None:
-            info = self.core.adapters.get(adapter)
-            if info is None or adapter in self._unloading:
+            record = self.adapters.get(adapter)
+            if record is None:
                 raise NotFoundError(f"the model {adapter!r} does not exist", param="model",
                                     code="model_not_found")
-            stream.request.adapter = info.id
+            stream.request.adapter = record.info.id
         self.core.add_request(stream.request)
         self._streams[stream.request.request_id] = stream
 
@@ -277,32 +265,31 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
 
-    def _register_adapter(self, host: HostAdapter, pinned: bool = False) -> None:
-        name = host.info.id.name
-        if name in self._unloading:
-            raise ConflictError(f"adapter {name!r} is still being unloaded (requests are running on "
-                                "it); try again when they finish", param="lora_name")
-        self.llm.register(host, pinned)
+    def _register_adapter(self, record: AdapterRecord, host: HostAdapter, pinned: bool = False) -> None:
+        self.adapters.add(record)  # refuses a name loaded or still unloading
+        try:
+            self.llm.register(host, pinned)
+        except Exception:
+            self.adapters.forget(record.info.id.name)
+            raise
 
     def _unload_adapter(self, name: str) -> tuple[AdapterInfo, int]:
-        info = self.core.adapters.get(name)
-        if info is None or name in self._unloading:
-            raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
-        self._unloading[name] = info
+        info = self.adapters.begin_unload(name)
         draining = sum(1 for s in self._streams.values() if s.request.adapter == info.id)
         self._finish_unloads()
         return info, draining
 
     def _finish_unloads(self) -> None:
         """Remove an unloading adapter from the core once no accepted request uses it."""
-        if not self._unloading:
+        unloading = self.adapters.unloading()
+        if not unloading:
             return
         busy = {s.request.adapter for s in self._streams.values()}
-        for name, info in list(self._unloading.items()):
+        for name, info in unloading.items():
             if info.id not in busy:
                 self.core.remove_adapter(name)
                 self.llm.drop_host(info.id)
-                del self._unloading[name]
+                self.adapters.forget(name)
 
     def _take_snapshot(self) -> EngineSnapshot:
         running, waiting = set(), set()

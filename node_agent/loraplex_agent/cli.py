@@ -8,9 +8,8 @@ import importlib
 import os
 
 from loraplex.cli import CommandRegistry, run_module
-from loraplex.spec.engine_settings import add_engine_settings
+from loraplex.spec.engine_settings import add_agent_settings, add_engine_settings
 from loraplex.util.args import existing_dir
-from loraplex_agent.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill bounds a step's tokens)
@@ -34,32 +33,8 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine settings shared by the agent, `loraplex profile` and the benchmarks."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     add_engine_settings(p)  # the ones an AdapterPool's spec.engine sets too
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks; default: sized from memory")
-    p.add_argument("--scheduler-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a knob of the scheduler, e.g. refresh_s=60 or slo_s=2 (repeatable)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the KV of earlier requests")
-    p.add_argument("--num-host-blocks", type=int, default=None,
-                   help="host-memory KV blocks that evicted prefixes move to (default: as many as the device "
-                        "has; 0 drops evicted KV)")
-    p.add_argument("--memory-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a knob of the memory policy, e.g. busy=0.9 or score=chameleon (repeatable)")
-    p.add_argument("--emulate-h2d-gbps", type=float, default=None, metavar="GBPS",
-                   help="EMULATION: charge every host->device byte at this bandwidth (e.g. 25 for PCIe 4.0 x16), "
-                        "so that a CPU-only machine shows what adapter and KV copies cost on a GPU server")
-    p.add_argument("--cpu-assist", default="auto", choices=["auto", "on", "off"],
-                   help="run a request whose adapter is still being copied in, computing its LoRA terms on the "
-                        "CPU for the layers not on the device yet (Toppings; auto: on with CUDA or "
-                        "--emulate-h2d-gbps); docs/engine.md")
-    p.add_argument("--pinned-adapter-memory", type=float, default=DEFAULT_PINNED_ADAPTER_GIB, metavar="GIB",
-                   help="page-locked host memory for adapters on CUDA, so their copies to the device are "
-                        "asynchronous DMA; the adapters least recently loaded past it copy from pageable memory")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (as vLLM's flag; they are used on CUDA otherwise)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: OMP_NUM_THREADS, else 1 for small models, else all CPUs)")
+    add_agent_settings(p)  # the engine's own
 
 
 def _tiny_model_args(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from loraplex.spec.adapter import AdapterId
+from loraplex.spec.engine_settings import AGENT_SETTINGS
 
 if TYPE_CHECKING:  # torch is not imported at runtime: the CLI reads the default without it
     import torch
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # torch is not imported at runtime: the CLI reads the default
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PINNED_ADAPTER_GIB = 8.0
+DEFAULT_PINNED_ADAPTER_GIB: float = AGENT_SETTINGS["pinned_adapter_memory_gib"].default
 
 
 def pins_adapters(device: torch.device) -> bool:

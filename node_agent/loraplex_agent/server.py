@@ -28,8 +28,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.spec.errors import AuthenticationError, CommandError, InvalidRequestError, LoraplexError
 from loraplex.startup import listen_socket, open_store
+from loraplex_agent.adapter_registry import AdapterRecord
 from loraplex_agent.adapters import load_peft_adapter
-from loraplex_agent.async_engine import AdapterRecord, AsyncEngine
+from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.metrics import CONTENT_TYPE, ServerMetrics
@@ -405,7 +406,7 @@ def load_engine(args: argparse.Namespace, adapters: tuple[tuple[str, str], ...])
             raise CommandError(f"--adapter {host.info.id.name}: {_one_line(exc)}") from None
     engine = AsyncEngine(llm, args.stall_timeout)  # after the adapters: its first snapshot counts them
     for path, host in loaded:
-        engine.adapters[host.info.id.name] = AdapterRecord(host.info, path)
+        engine.adapters.add(AdapterRecord(host.info, path))
     return engine
 
 

@@ -83,8 +83,8 @@ class Deps:
 
     def _build_controller(self, routes: PoolRoutes, spec: AdapterPoolSpec) -> PlacementController:
         return build_controller(routes.store, spec.placement, self.clock, self.make_random(routes.store.pool),
-                                lambda: routes.bounds, gpu=spec.servers.gpus_per_server > 0,
-                                server_filter=routes.serving)
+                                lambda: routes.bounds, lambda: routes.routing,
+                                gpu=spec.servers.gpus_per_server > 0, server_filter=routes.serving)
 
     def forget(self, pool: str) -> None:
         """Drops what this operator keeps for a deleted pool. Its store is not closed here: handlers of

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.placement.snapshot import PlacementError
-from loraplex.pool import MAX_SERVER_LOAD, replica_bounds, spec_failure
+from loraplex.pool import MAX_SERVER_LOAD, replica_bounds, routing_pending, spec_failure
 from loraplex.routing import (
     DEFAULT_WINDOWS,
     AdapterRecord,
@@ -20,7 +20,7 @@ from loraplex.routing import (
     StaleVersionError,
     StoreUnavailableError,
 )
-from loraplex.routing.choice import pool_routing, routing_error
+from loraplex.routing.choice import pool_routing
 from loraplex.spec.crd import (
     API_VERSION,
     AdapterPoolSpec,
@@ -47,7 +47,6 @@ from loraplex_operator.pool_objects import (
     config_hash,
     pool_objects,
 )
-from loraplex_operator.pool_routes import PoolRoutes, Synced
 from loraplex_operator.pool_sizing import INVALID_SIZING, Sizing, planner_sizing, size_with_planner
 from loraplex_operator.pool_status import PoolView, parse_time, placement_due, pool_status
 from loraplex_operator.scaling import ScaleDecision, decide_replicas, short_of_capacity, with_shortfall
@@ -92,16 +91,6 @@ class InvalidPool(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason, self.message = reason, message
-
-
-def _route_as_specified(routes: PoolRoutes, spec: AdapterPoolSpec, synced: Synced) -> Synced:
-    """The table naming the pool's routing choice, published again if it names another one. A choice
-    the routers would refuse is not published (the pool turns Failed/InvalidRouting instead)."""
-    table, _ = synced
-    routing = pool_routing(spec)
-    if table is None or table.routing == routing or routing_error(routing):
-        return synced
-    return routes.set_routing(routing)
 
 
 def apply_pool(ref: ObjectRef, spec: AdapterPoolSpec, deps: Deps, applied_hash: str = "") -> tuple[int, str]:
@@ -371,15 +360,16 @@ def _sync(ref: ObjectRef, spec: AdapterPoolSpec, previous: AdapterPoolStatus | N
     routes = deps.routes(ref.name)
     routes.ready_pods = ready_pods
     routes.bounds = replica_bounds((d.name, d.spec.replicas) for d in deployments)
+    routes.routing = pool_routing(spec)
     seen.records = {r.name: r for r in store.adapters()}
     if _prune_registry(spec, deployments, seen.records, deps, store) or _reregister(ref, spec, deployments,
                                                                                    seen.records, deps):
         seen.records = {r.name: r for r in store.adapters()}
-    seen.table, seen.servers = _route_as_specified(routes, spec, routes.sync())
+    seen.table, seen.servers = routes.sync()
     due = placement_due(previous.last_placement_time if previous else None, spec.placement.interval_seconds, now)
     if spec.sizing.estimator == "planner":  # before placing: a failed placement must not hold the plan back
         seen.sizing = size_with_planner(ref.name, spec, previous, _planner_floor(deployments), due, deps)
-    if due:
+    if due or (seen.servers and routing_pending(seen.table, routes.routing)):  # a new choice: place now
         seen.last_placement, seen.findings = now, _place(ref.name, spec, deployments, deps)
         seen.table, seen.servers = routes.sync()
         seen.demand = store.demand_windows(now, DEFAULT_WINDOWS)

@@ -1,7 +1,7 @@
 """The one place that writes a pool's routing table in this operator: the registry sync between
-placements (a LoRADeployment added, changed or deleted), the pool's routing choice (`spec.routing`)
-and the periodic placement take the same lock, so table versions never race each other, and
-concurrent syncs are coalesced into one version.
+placements (a LoRADeployment added, changed or deleted) and the placement (which also carries the
+pool's routing choice, `spec.routing`) take the same lock, so table versions never race each other,
+and concurrent syncs are coalesced into one version.
 
 Only servers that may serve count: a fresh heartbeat, and (on Kubernetes) a Ready pod."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import replace
 
 from loraplex.placement.controller import ControllerReport, PlacementController
 from loraplex.pool.bounds import ReplicaBounds
@@ -29,6 +28,7 @@ class PoolRoutes:
         self.store, self.clock = store, clock
         self.ready_pods: frozenset[str] | None = None  # None: not on Kubernetes, heartbeats alone decide
         self.bounds = ReplicaBounds()                 # the pool's LoRADeployments, as the last tick saw them
+        self.routing: RoutingChoice | None = None     # the AdapterPool's spec.routing, as the last tick saw it
         self.copies: dict[str, int] = {}              # replicas.min of adapters registered since then
         self._lock = threading.Lock()
         self._sync = Coalescer(self._sync_once)
@@ -60,11 +60,6 @@ class PoolRoutes:
         def edit(table: RoutingTable | None, servers: list[ServerRecord]) -> RoutingTable | None:
             return route_records(table, records, servers, self.clock.now(), {**self.bounds.minimum, **self.copies})
         return self._edit(edit)
-
-    def set_routing(self, routing: RoutingChoice | None) -> Synced:
-        """Publishes the table again naming `routing` (the pool's spec.routing) unless it does already;
-        returns (table, serving servers). No table yet: nothing to do (the routers have nothing to route)."""
-        return self._edit(lambda table, _: _with_routing(table, routing, self.clock.now()))
 
     def _sync_once(self) -> Synced:
         def edit(table: RoutingTable | None, servers: list[ServerRecord]) -> RoutingTable | None:
@@ -99,8 +94,3 @@ class PoolRoutes:
             self._controller = (key, build())
         return self._controller[1]
 
-
-def _with_routing(table: RoutingTable | None, routing: RoutingChoice | None, now: float) -> RoutingTable | None:
-    if table is None or table.routing == routing:
-        return None
-    return replace(table, version=table.version + 1, created_at=now, routing=routing)

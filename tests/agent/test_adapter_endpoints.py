@@ -123,6 +123,8 @@ def test_unload_while_a_request_runs_lets_it_finish(agent):
     with agent.http() as http:
         refused = http.post("/v1/completions", json={"model": "runtime-busy", "prompt": PROMPT, "max_tokens": 2})
     assert refused.status_code == 404
+    again = _load(agent, "runtime-busy", agent.tiny_model.adapters["lora06-r32"])  # the name is not free yet
+    assert again.status_code == 409 and "still being unloaded" in again.json()["error"]["message"], again.text
     rest = list(chunks)
     text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
     assert text == expected

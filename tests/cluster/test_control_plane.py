@@ -15,12 +15,14 @@ import yaml
 from hub_files import hub_files
 from loraplex_local.manifests import ManifestError
 from loraplex_local.stack import LocalStack, StackConfig
+from loraplex_operator import handlers
 from loraplex_operator.kube import ObjectRef
 from loraplex_operator.pool_reconcile import InvalidPool, apply_pool
-from operator_world import NS, World
+from operator_world import NS, World, bump
 
 from loraplex.pool import PoolPolicy, replica_bounds
-from loraplex.routing import InMemoryRoutingStore
+from loraplex.routing import InMemoryRoutingStore, ServerRecord
+from loraplex.routing.choice import RoutingChoice
 from loraplex.spec.crd import API_VERSION, AdapterPoolSpec, LoRADeploymentSpec
 from loraplex.util.clock import ManualClock
 
@@ -74,8 +76,6 @@ def test_an_adapter_record_is_written_alike_by_both_drivers(tmp_path: Path, hub:
     world = World(endpoint)
     world.create("AdapterPool", POOL, SPEC, "pool-uid")
     world.create("LoRADeployment", "sql", {"pool": POOL, "adapter": {"source": "hf://sql"}}, "sql-uid")
-    from loraplex_operator import handlers
-
     world.call(handlers.adapter_changed, "LoRADeployment", "sql")
     in_cluster = world.deps.store(POOL).get_adapter("sql")
     write(tmp_path, "AdapterPool", POOL, SPEC)
@@ -117,3 +117,49 @@ def test_up_copies_nothing_of_the_control_plane() -> None:
     for name in ("def spec_failure", "def adapter_record", "def replica_bounds", "class PoolPolicy",
                  "make_policy(", "default_operating_points(", "PlacementController("):
         assert name not in source, name
+
+
+def _edit_pool(world: World, folder: Path, spec: dict[str, Any]) -> None:
+    """The same AdapterPool edit in both drivers: the object in the API server, the file in -f."""
+    obj = world.kube.objects[("AdapterPool", NS, POOL)]
+    obj["spec"] = spec
+    obj["metadata"]["generation"] += 1
+    bump(obj)
+    write(folder, "AdapterPool", POOL, spec)
+
+
+def test_the_routing_choice_reaches_the_table_one_way_in_both_drivers(tmp_path: Path) -> None:
+    """The pool's controller carries spec.routing into the tables it publishes, in both drivers; an
+    edited choice is placed at once (not at the 30 s interval), keeping the routes."""
+    deployment = {"pool": POOL, "adapter": {"source": "hf://org/a", "sha256": "e" * 64, "rank": 8}}
+    chosen = {"profile": "rank-aware", "options": {"slo_tpot_s": "0.05"}}
+    world = World("http://127.0.0.1:9")
+    world.create("AdapterPool", POOL, with_spec(routing=chosen), "pool-uid")
+    world.call(handlers.pool_changed, "AdapterPool", POOL)
+    world.create("LoRADeployment", "a", deployment, "a-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "a")
+    write(tmp_path, "AdapterPool", POOL, with_spec(routing=chosen))
+    write(tmp_path, "LoRADeployment", "a", deployment)
+    stack = LocalStack(StackConfig(manifests=tmp_path, workdir=tmp_path / "work"))
+    stack.store = InMemoryRoutingStore(POOL, ManualClock())
+    for sid in ("s0", "s1"):
+        world.heartbeat(POOL, sid)
+        stack.store.register_server(ServerRecord(sid, f"http://{sid}:8000", 64), ttl_s=600)
+    stack.controller = stack.build_controller()
+    stores = (world.stores[POOL], stack.store)
+    for routing, expected in ((chosen, RoutingChoice("rank-aware", {"slo_tpot_s": "0.05"})),
+                              ({"profile": "least-loaded"}, RoutingChoice("least-loaded")), (None, None)):
+        before = [store.read_table() for store in stores]
+        if routing is not chosen:
+            _edit_pool(world, tmp_path, with_spec(routing=routing) if routing else SPEC)
+        world.clock.advance(5)  # a tick, not the placement interval
+        world.tick(POOL)
+        stack.tick()
+        assert world.deps.controller(POOL, AdapterPoolSpec.model_validate(
+            world.kube.objects[("AdapterPool", NS, POOL)]["spec"])).routing() == expected
+        assert stack.controller.routing() == expected
+        for store, previous in zip(stores, before, strict=True):
+            table = store.read_table()
+            assert table.routing == expected and "a" in table.entries
+            if previous is not None:
+                assert table.version == previous.version + 1 and table.same_routes(previous)

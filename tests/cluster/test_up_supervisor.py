@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import terminate
+from processes import alive, terminate
 from stack_manifests import deployment_yaml, pool_yaml
 from waiting import wait_for, wait_until
 
@@ -156,22 +156,13 @@ def test_3_kill_9_of_up_leaves_nothing_behind(tiny_model, tmp_path: Path) -> Non
         children = {port: up.pid(port) for port in (up.router, up.agent, up.redis)}
         up.process.kill()
         up.process.wait()
-        wait_for("every child of up gone", lambda: not any(_alive(pid) for pid in children.values()), 30)
+        wait_for("every child of up gone", lambda: not any(alive(pid) for pid in children.values()), 30)
         assert not any(in_use(port) for port in children)  # the next `up` on these ports starts
     finally:
         terminate(up.process, 60)
         for pid in children.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] if Path(f"/proc/{pid}").exists() else "X"
-    return state not in ("Z", "X")  # a zombie has exited: only its parent has not read its status
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
@@ -193,3 +184,30 @@ def test_5_an_adapter_folder_as_model_is_refused_before_anything_starts(tiny_mod
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert "an adapter folder (adapter_config.json)" in lines[0]
     assert not (tmp_path / "work").exists()
+
+
+def test_the_backoff_doubles_to_its_cap_and_starts_over_after_a_steady_run(tmp_path: Path) -> None:
+    """The Supervisor's schedule alone, with a clock of its own and a child that exits at once."""
+    from loraplex_local.processes import Child, Supervisor
+
+    now = [0.0]
+    supervisor = Supervisor(first_s=1, max_s=4, steady_s=60, clock=lambda: now[0])
+    child = Child("agent", [sys.executable, "-c", "pass"], tmp_path).start()
+    child.process.wait()
+    waits = []
+    for _ in range(4):
+        supervisor.check([child])  # says it, and when it starts again
+        due = supervisor._due["agent"]
+        waits.append(due - now[0])
+        now[0] = due
+        assert supervisor.check([child]) == [child]
+        child.process.wait()
+    assert waits == [1, 2, 4, 4]
+    now[0] += 61
+    child.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    supervisor.check([child])  # seen running
+    now[0] += 61
+    child.process.kill()
+    child.process.wait()
+    supervisor.check([child])
+    assert supervisor._due["agent"] - now[0] == 1  # a minute up: from the first backoff again

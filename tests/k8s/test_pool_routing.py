@@ -1,7 +1,7 @@
 """An AdapterPool's `spec.routing`: the API server takes a good block and refuses an unknown profile;
-the operator publishes the choice in the pool's routing table (a change is a new version at the next
-tick, without waiting for a placement) and makes the pool Failed/InvalidRouting, publishing nothing,
-for a choice the routers could not build."""
+the pool's placement controller publishes the choice in its routing table (a change is placed at the
+next tick, not at the placement interval) and the pool turns Failed/InvalidRouting, publishing
+nothing, for a choice the routers could not build."""
 
 from __future__ import annotations
 

@@ -1,19 +1,22 @@
 """Each engine setting is declared once (loraplex.spec.engine_settings): the CRD model, the engine's
-defaults, the registries of policies and the docs' table agree with the declaration."""
+defaults, the registries of policies, the docs' table and the engine's flags (with their bounds)
+agree with the declaration."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import typing
 from pathlib import Path
 
 import pytest
+from loraplex_agent.cli import add_engine_args
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory.policies import MEMORY_POLICIES
 from loraplex.engine.scheduling.schedulers import SCHEDULERS
 from loraplex.spec.crd import EngineSpec
-from loraplex.spec.engine_settings import ENGINE_SETTINGS, settings_table
+from loraplex.spec.engine_settings import AGENT_SETTINGS, ENGINE_SETTINGS, settings_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_TABLE = re.compile(r"<!-- engine-settings:[^>]*-->\n(.*?)\n<!-- /engine-settings -->", re.S)
@@ -41,3 +44,33 @@ def test_the_engines_default_is_the_declaration(name):
 def test_the_flags_offer_every_registered_policy():
     assert set(ENGINE_SETTINGS["scheduler"].choices) == set(SCHEDULERS)
     assert set(ENGINE_SETTINGS["memory_policy"].choices) == set(MEMORY_POLICIES)
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_engine_args(parser)
+    return parser
+
+
+def test_every_engine_flag_is_declared_once():
+    """The flags `loraplex agent`, `loraplex profile` and the benchmarks share are the declarations:
+    the pool's settings and the engine's own, none declared anywhere else, none in both."""
+    flags = {a.dest: a for a in _engine_parser()._actions if a.dest != "help"}
+    assert not set(ENGINE_SETTINGS) & set(AGENT_SETTINGS)
+    assert set(flags) == {s.dest for s in (*ENGINE_SETTINGS.values(), *AGENT_SETTINGS.values())}
+    for setting in AGENT_SETTINGS.values():
+        action = flags[setting.dest]
+        assert (action.option_strings, action.help) == ([setting.flag], setting.help)
+        assert action.default == (list(setting.default) if setting.action == "append" else setting.default)
+
+
+@pytest.mark.parametrize("argv", [["--num-blocks", "0"], ["--num-host-blocks", "-1"], ["--threads", "0"],
+                                  ["--emulate-h2d-gbps", "0"], ["--emulate-h2d-gbps", "inf"], ["--cpu-assist", "yes"]])
+def test_an_engine_flag_refuses_what_its_declaration_bounds(argv):
+    with pytest.raises(argparse.ArgumentError):
+        _engine_parser().parse_args(argv)
+
+
+def test_repeatable_flags_do_not_share_their_defaults():
+    first, second = _engine_parser().parse_args([]), _engine_parser().parse_args(["--memory-option", "busy=0.9"])
+    assert (first.memory_option, second.memory_option, first.scheduler_option) == ([], ["busy=0.9"], [])

@@ -1,5 +1,6 @@
 """The placement controller publishes the pool's routing choice with its routes: a changed choice is
-a new version at once; a controller without a routing source keeps the last table's."""
+a new version at once, one the routers would refuse is never published; a controller without a
+routing source publishes tables that name none."""
 
 from __future__ import annotations
 
@@ -41,13 +42,25 @@ def test_the_routing_choice_is_published_and_a_change_is_placed_at_once() -> Non
     assert store.read_table().same_routes(first)  # only the choice changed
 
 
-def test_without_a_routing_source_the_last_tables_choice_is_kept() -> None:
+def test_without_a_routing_source_a_table_names_no_choice() -> None:
     clock = ManualClock(1_000.0)
     store = _store(clock)
     controller = _controller(store, clock)
     controller.run_once()
-    edited = replace(store.read_table(), version=2, routing=RANK_AWARE)  # the operator's edit between placements
-    store.publish_table(edited)
+    store.publish_table(replace(store.read_table(), version=2, routing=RANK_AWARE))  # another writer's
+    store.put_adapter(AdapterRecord("b", "sha256:b", 8, 1000, "file:///b"))
+    assert controller.run_once().outcome == "published"
+    table = store.read_table()
+    assert "b" in table.entries and table.routing is None
+
+
+def test_a_choice_the_routers_would_refuse_is_not_published() -> None:
+    clock = ManualClock(1_000.0)
+    store = _store(clock)
+    choice: list[RoutingChoice | None] = [RANK_AWARE]
+    controller = _controller(store, clock, lambda: choice[0])
+    controller.run_once()
+    choice[0] = RoutingChoice("rank-aware", {"slo_tpot_s": "fast"})  # the pool turns Failed/InvalidRouting
     store.put_adapter(AdapterRecord("b", "sha256:b", 8, 1000, "file:///b"))
     assert controller.run_once().outcome == "published"
     table = store.read_table()

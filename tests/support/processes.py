@@ -1,7 +1,9 @@
-"""Waiting for a server the test started as a subprocess, and stopping it."""
+"""Waiting for a server the test started as a subprocess, stopping it, and telling whether a process
+(one the test did not start) still runs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 import urllib.request
@@ -36,3 +38,15 @@ def terminate(process: subprocess.Popen, timeout_s: float = 30) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def alive(pid: int) -> bool:
+    """The process runs: it exists and is not a zombie (one that has exited, whose parent has not read
+    its status yet; a reparented one may stay so where nothing reaps orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    state = stat.read_text().split(")")[-1].split()[0] if stat.exists() else "X"
+    return state not in ("Z", "X")

@@ -5,15 +5,13 @@ loraplex.backends.vllm's, as the operator renders it."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
 from pathlib import Path
 
 from loraplex.backends.vllm import VllmLaunch, plugin_sources, vllm_argv, vllm_env
-
-_PR_SET_PDEATHSIG = 1
+from loraplex.util.lifetime import die_with_this_process
 
 
 def install_plugin(folder: Path) -> Path:
@@ -27,12 +25,6 @@ def install_plugin(folder: Path) -> Path:
 def child_env(launch: VllmLaunch, plugin_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """The agent's environment for vLLM, with PYTHONPATH the plug-in folder only (not ours)."""
     return {**(os.environ if base is None else base), **vllm_env(launch, str(plugin_dir)), "PYTHONUNBUFFERED": "1"}
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the agent dies, so no vLLM outlives it (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class VllmProcess:
@@ -49,10 +41,12 @@ class VllmProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             # A session of its own: stop() signals the API server and its engine-core processes together.
+            # Bound to the agent's life: SIGTERM when it dies, even by SIGKILL (the agent's main thread
+            # starts it and outlives it).
             env = child_env(self.launch, self.plugin_dir, {**os.environ, **self.env})
             self.process = subprocess.Popen(vllm_argv(self.launch), env=env,
                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_this_process())
         return self
 
     @property
