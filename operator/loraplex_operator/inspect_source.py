@@ -1,10 +1,11 @@
 """What the operator learns about an adapter before it enters the registry: digest, rank, size.
 
 Placement is rank-aware and agents verify the digest when they fetch, so both are needed up front.
-A LoRADeployment that declares `sha256` and `rank` needs no fetch. Otherwise the operator reads
-`adapter_config.json` and hashes `adapter_model.safetensors` from https:// and hf:// sources
-(with the token of the referenced Secret). file:// paths live inside the agent pods and s3:// / gs://
-need cloud SDKs the slim operator image does not carry: those sources must declare both values,
+From https:// and hf:// sources (with the token of the referenced Secret) the operator always reads
+`adapter_config.json` (small: the rank, the target modules and an activated LoRA's invocation, which
+decides where the adapter may be placed) and hashes `adapter_model.safetensors` unless the
+LoRADeployment declares `sha256` and `rank`. file:// paths live inside the agent pods and s3:// /
+gs:// need cloud SDKs the slim operator image does not carry: those sources must declare both values,
 and the status says so."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_WEIGHTS_BYTES = 8 << 30
 _CHUNK = 1 << 20
 HF_ENDPOINT = "https://huggingface.co"
+READABLE_SCHEMES = ("https://", "hf://")  # what the operator reads itself
 
 
 class InspectionError(RuntimeError):
@@ -59,7 +61,8 @@ class SourceInspector:
         self._timeout, self._hf, self._max = timeout_s, hf_endpoint, max_bytes
 
     def inspect(self, adapter: AdapterSource, credentials: Mapping[str, str]) -> AdapterFacts:
-        if adapter.sha256 and adapter.rank:
+        declared = bool(adapter.sha256 and adapter.rank)
+        if declared and not adapter.source.startswith(READABLE_SCHEMES):
             return AdapterFacts(f"sha256:{adapter.sha256}", adapter.rank, 0)
         headers = {"Authorization": f"Bearer {credentials['HF_TOKEN']}"} if "HF_TOKEN" in credentials else {}
         config = self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers)
@@ -68,7 +71,10 @@ class SourceInspector:
             raise InspectionError("InvalidAdapter", f"{CONFIG_FILE} has no positive integer rank 'r': {rank!r}")
         if adapter.rank is not None and adapter.rank != rank:
             raise InspectionError("RankMismatch", f"spec.adapter.rank is {adapter.rank} but the adapter has r={rank}")
-        digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
+        if declared:  # the weights are not fetched: the agents verify the digest when they load them
+            digest, size = f"sha256:{adapter.sha256}", 0
+        else:
+            digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
         if adapter.sha256 and digest != f"sha256:{adapter.sha256}":
             raise InspectionError("DigestMismatch", f"weights digest is {digest}, spec.adapter.sha256 says "
                                   f"sha256:{adapter.sha256}")
