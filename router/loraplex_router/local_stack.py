@@ -42,6 +42,7 @@ from loraplex.routing.records import AdapterRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
 from loraplex.spec.agent_flags import agent_flags
+from loraplex.spec.alora import backend_refusal
 from loraplex.spec.crd import API_VERSION, AdapterPool, AdapterPoolSpec, LoRADeployment
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import WallClock
@@ -283,7 +284,7 @@ class LocalStack:
                             deployment.spec.pool, self.pool)
                 continue
             try:
-                desired[name] = self._record(name, deployment, path)
+                desired[name] = self._servable(self._record(name, deployment, path), path)
             except ManifestError as exc:
                 self._report(path, str(exc))
         stored = {a.name: a for a in self.store.adapters()}
@@ -295,6 +296,13 @@ class LocalStack:
             self.store.remove_adapter(name)
             log.info("removed LoRADeployment %s", name)
         self.desired = desired
+
+    def _servable(self, record: AdapterRecord, path: Path) -> AdapterRecord:
+        """The record, unless the stack's backend cannot serve it (an activated LoRA on vllm)."""
+        refusal = backend_refusal(self.backend) if record.is_alora else None
+        if refusal:
+            raise ManifestError(f"{path}: LoRADeployment {record.name!r}: {refusal}")
+        return record
 
     def _record(self, name: str, deployment, path: Path) -> AdapterRecord:
         """The deployment's record, hashed again only when its manifest changed."""
