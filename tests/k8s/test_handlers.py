@@ -166,6 +166,27 @@ def test_a_declared_activated_lora_is_still_known_as_one(world: World) -> None:
     assert world.status("LoRADeployment", "wrong")["reason"] == "RankMismatch"
 
 
+def test_a_version_the_servers_refuse_to_load_fails_until_they_load_it(world: World) -> None:
+    """What the operator cannot read (an s3:// aLoRA on a vllm pool): the agents fetch it, verify it
+    and report their engine's refusal in their heartbeats; the tick fails the deployment with it."""
+    _pool(world, engine={"backend": "vllm"})
+    world.heartbeat("tiny", "tiny-0")
+    _declared(world, "checker", 8)
+    assert world.status("LoRADeployment", "checker")["phase"] == "Loading"
+    why = "adapter 'checker' is an activated LoRA (alora_invocation_tokens); the vllm backend cannot serve it"
+    world.heartbeat("tiny", "tiny-0", refused=(("checker", "sha256:" + "e" * 64, why),
+                                               ("checker", "sha256:" + "0" * 64, "an older version")))
+    world.tick("tiny")
+    status = world.status("LoRADeployment", "checker")
+    assert (status["phase"], status["reason"]) == ("Failed", "AdapterRefused")
+    assert status["message"].endswith(f"tiny-0: {why}") and "older" not in status["message"]
+    assert world.events.reasons("checker")[-1] == "AdapterRefused"
+    world.heartbeat("tiny", "tiny-0", holds=("checker",))  # e.g. a fixed engine loaded it
+    world.clock.advance(5)
+    world.tick("tiny")
+    assert world.status("LoRADeployment", "checker")["phase"] == "Ready", world.status("LoRADeployment", "checker")
+
+
 def test_missing_pool_is_pending_and_retried(world: World) -> None:
     world.create("LoRADeployment", "orphan", {"pool": "nope", "adapter": {"source": "hf://sql"}}, "o-uid")
     with pytest.raises(kopf.TemporaryError):
