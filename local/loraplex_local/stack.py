@@ -43,6 +43,7 @@ from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.redis_store import RedisRoutingStore
 from loraplex.routing.store import StoreUnavailableError
 from loraplex.spec.agent_flags import agent_flags
+from loraplex.spec.alora import backend_refusal
 from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment, PlacementSpec
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import WallClock
@@ -286,7 +287,7 @@ class LocalStack:
                                    f"not {self.pool!r}; skipped")
                 continue
             try:
-                desired[name] = self._record(name, deployment, path)
+                desired[name] = self._servable(self._record(name, deployment, path), path)
             except Exception as exc:  # noqa: BLE001 - one file's trouble never stops the others
                 errors[path] = file_error(path, exc)
         if at_start and errors:
@@ -295,6 +296,13 @@ class LocalStack:
         for path, error in errors.items():
             self._reporter.say(path, error)
         return desired
+
+    def _servable(self, record: AdapterRecord, path: Path) -> AdapterRecord:
+        """The record, unless the stack's backend cannot serve it (an activated LoRA on vllm)."""
+        refusal = backend_refusal(self.backend) if record.is_alora else None
+        if refusal:
+            raise ManifestError(f"{path}: LoRADeployment {record.name!r}: {refusal}")
+        return record
 
     def _record(self, name: str, deployment: LoRADeployment, path: Path) -> AdapterRecord:
         """The deployment's record, hashed again only when its manifest or the pool changed (a record

@@ -94,13 +94,14 @@ class Request:
 
     @property
     def cache_key(self) -> tuple[AdapterId | None, int]:
-        """(adapter, tokens) of its prefix-cache key: the leading tokens before `adapter_from`
-        carry the base model's KV, so an activated LoRA's prefix is keyed as the base model's
-        (shared with base requests and every aLoRA of the base) up to there, and nothing after it is
-        cached. Everything else is keyed by its adapter identity, all tokens."""
-        if self.adapter is None or self.adapter_from == 0:
-            return self.adapter, self.num_tokens
-        return None, min(self.adapter_from, self.num_tokens)
+        """(adapter, start) of its prefix-cache key: the full blocks before the one holding `start`
+        carry the base model's KV and are keyed as the base model's (shared with base requests and
+        every aLoRA of the base); the blocks from there on by the adapter's identity (name + digest),
+        so a repeat of the same aLoRA request reuses them and a reloaded adapter does not. A standard
+        LoRA: (adapter, 0); a base request, or an aLoRA whose prompt lacks its invocation: (None, 0)."""
+        if self.adapter is None or self.adapter_from >= self.num_tokens:
+            return None, 0
+        return self.adapter, self.adapter_from
 
     @property
     def reuses_cached_prefix(self) -> bool:

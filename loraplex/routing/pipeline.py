@@ -57,6 +57,7 @@ class RouteRequest:
     rank: int | None = None
     prompt_tokens: int | None = None
     prefix_blocks: int = 0
+    alora: bool = False  # an activated LoRA: its prefix is the base model's conversation (`loraplex.spec.alora`)
 
 
 class Filter(Protocol):
@@ -151,7 +152,8 @@ class PrefixFilter:
         if request.prefix_blocks < floor or max(c.prefix_blocks for c in candidates) < floor:
             return candidates
         least = min(c.queue_depth for c in candidates)
-        ceiling = least * self.config.load_factor + self.config.load_slack
+        slack = self.config.load_slack + (self.config.alora_slack if request.alora else 0)
+        ceiling = least * self.config.load_factor + slack
         light = [c for c in candidates if c.queue_depth <= ceiling]
         best = max(c.prefix_blocks for c in light)
         if best < floor:

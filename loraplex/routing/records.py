@@ -126,6 +126,9 @@ class ServerRecord:
     agent_url: str = ""                  # the agent's own URL when it is not `url` (backend vllm): peers fetch here
     max_adapters: int = 0                # adapters the server can hold at once (vLLM's max_cpu_loras); 0: no limit
     block_size: int = 0                  # tokens per KV block of its engine; 0: unknown
+    # (adapter, digest, why) of each registered adapter version its engine refused to load, once fetched
+    # and verified (an activated LoRA on the vllm backend, a PEFT feature it lacks): the operator fails it
+    refused: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def peer_url(self) -> str:
@@ -144,6 +147,8 @@ class ServerRecord:
             raise RecordError(f"server {self.id!r}: max_adapters must be >= 0, got {self.max_adapters}")
         if self.block_size < 0:
             raise RecordError(f"server {self.id!r}: block_size must be >= 0, got {self.block_size}")
+        if not all(len(r) == 3 and all(isinstance(x, str) for x in r) for r in self.refused):
+            raise RecordError(f"server {self.id!r}: refused must hold (adapter, digest, why), got {self.refused!r}")
         if self.batch is not None:
             self.batch.validate()
         return self
@@ -159,6 +164,7 @@ class ServerRecord:
             batch = doc.pop("batch", None)
             for name in ("capabilities", "gpu_adapters", "host_adapters"):
                 doc[name] = tuple(doc.get(name, ()))
+            doc["refused"] = tuple(tuple(r) for r in doc.get("refused", ()))
             return cls(load=load, batch=None if batch is None else ServerBatch.from_doc(batch), **doc).validate()
         except (ValueError, TypeError, AttributeError) as exc:
             raise RecordError(f"malformed server record: {exc}") from exc

@@ -36,3 +36,13 @@ def adapter_start(prompt: Sequence[int], invocation: Sequence[int]) -> int:
     start = invocation_start(prompt, invocation)
     return ADAPTER_NEVER if start is None else start
 
+
+
+def backend_refusal(backend: str) -> str | None:
+    """Why a pool on `backend` cannot serve an activated LoRA; None when it can. The vllm backend
+    applies every adapter to the whole prompt (vLLM has no aLoRA): it would compute something other
+    than what the adapter was trained for."""
+    if backend != "vllm":
+        return None
+    return ("the adapter is an activated LoRA (alora_invocation_tokens) and the pool runs engine.backend "
+            "vllm, which cannot serve one: deploy it to a pool on the loraplex engine")

@@ -19,6 +19,7 @@ from loraplex.routing import (
     StaleVersionError,
     StoreUnavailableError,
 )
+from loraplex.spec.alora import backend_refusal
 from loraplex.spec.crd import AdapterPoolSpec, LoRADeploymentSpec, LoRADeploymentStatus
 from loraplex_operator.adapter_status import (
     ALORA_UNSUPPORTED,
@@ -66,12 +67,8 @@ def rank_too_large(rank: int, pool: AdapterPoolSpec) -> str | None:
 
 
 def alora_unservable(record: AdapterRecord, pool: AdapterPoolSpec) -> str | None:
-    """Why the pool cannot serve an activated LoRA: the vllm backend applies every adapter to the
-    whole prompt (vLLM has no aLoRA), so it would compute something else than the adapter was trained for."""
-    if not record.is_alora or pool.engine.backend != "vllm":
-        return None
-    return ("the adapter is an activated LoRA (alora_invocation_tokens) and the pool runs engine.backend "
-            "vllm, which cannot serve one: deploy it to a pool on the loraplex engine")
+    """Why the pool cannot serve the adapter because it is an activated LoRA; None when it can."""
+    return backend_refusal(pool.engine.backend) if record.is_alora else None
 
 
 def _record(ref: ObjectRef, spec: LoRADeploymentSpec, pool: AdapterPoolSpec, deps: Deps) -> AdapterRecord:

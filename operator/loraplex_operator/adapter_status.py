@@ -48,11 +48,18 @@ PLACEMENT_REASONS = frozenset({UNPLACEABLE, NO_SLOTS})
 RANK_TOO_LARGE = "RankTooLarge"
 # The Failed reason of an activated LoRA deployed to a pool on the vllm backend.
 ALORA_UNSUPPORTED = "ActivatedLoRAUnsupported"
+# The Failed reason of a version the servers fetched and verified and their engine refused to load
+# (what the operator could not read itself: an activated LoRA from s3:// on the vllm backend, a PEFT
+# feature the engine lacks); it follows their heartbeats. The version stays registered (and routed: a
+# request gets the refusal as its error) so that a server that can load it heals it.
+ADAPTER_REFUSED = "AdapterRefused"
 # Reasons the pool's tick keeps up to date once the adapter's handler registered its generation. Every
 # other reason is the handler's (it retries, or the spec must change), and the tick leaves it alone,
 # so a status never alternates between the two writers.
 TICK_REASONS = frozenset({"NotRegistered", "NoServers", "AwaitingPlacement", "Fetching", "Serving",
-                          *PLACEMENT_REASONS})
+                          ADAPTER_REFUSED, *PLACEMENT_REASONS})
+# Failed reasons that keep the adapter in the registry: they heal by themselves (the servers' side changes).
+HEALING_REASONS = frozenset({ADAPTER_REFUSED, *PLACEMENT_REASONS})
 
 
 def beyond_every_server(rank: int, servers: Sequence[ServerRecord]) -> bool:
@@ -69,6 +76,12 @@ def out_of_slots(rank: int, servers: Sequence[ServerRecord], table: RoutingTable
     return all(s.max_adapters and len(table.assignments(s.id)) >= s.max_adapters for s in able)
 
 
+def refusals(record: AdapterRecord, servers: Sequence[ServerRecord]) -> tuple[str, ...]:
+    """`server: why` of each server that refused to load this version of the adapter."""
+    return tuple(f"{s.id}: {why}" for s in servers for name, digest, why in s.refused
+                 if name == record.name and digest == record.digest)
+
+
 def weights_text(placement: Sequence[PlacementEntry]) -> str:
     return ",".join(f"{p.server}={p.weight:.2f}" for p in placement)
 
@@ -78,6 +91,9 @@ def _phase(view: AdapterView, holders: set[str], assigned: list[str]) -> tuple[s
         return "Pending", "PoolNotFound", f"AdapterPool {view.pool!r} does not exist in this namespace"
     if view.record is None:
         return "Pending", "NotRegistered", "the adapter is not in the pool's registry yet"
+    refused = refusals(view.record, view.servers)
+    if refused:
+        return "Failed", ADAPTER_REFUSED, f"the servers fetched it and refused to load it: {'; '.join(refused)}"
     if not assigned:
         if view.unplaceable and view.servers:
             top = max(s.max_rank for s in view.servers)

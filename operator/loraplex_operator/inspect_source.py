@@ -1,10 +1,11 @@
 """What the operator learns about an adapter before it enters the registry: digest, rank, size.
 
 Placement is rank-aware and agents verify the digest when they fetch, so both are needed up front.
-A LoRADeployment that declares `sha256` and `rank` needs no fetch. Otherwise the operator reads
-`adapter_config.json` and hashes `adapter_model.safetensors` from https:// and hf:// sources
-(with the token of the referenced Secret). file:// paths live inside the agent pods and s3:// / gs://
-need cloud SDKs the slim operator image does not carry: those sources must declare both values,
+From https:// and hf:// sources (with the token of the referenced Secret) the operator always reads
+`adapter_config.json` (small: the rank, the target modules and an activated LoRA's invocation, which
+decides where the adapter may be placed) and hashes `adapter_model.safetensors` unless the
+LoRADeployment declares `sha256` and `rank`. file:// paths live inside the agent pods and s3:// /
+gs:// need cloud SDKs the slim operator image does not carry: those sources must declare both values,
 and the status says so."""
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from loraplex.spec.crd import AdapterSource
 MAX_WEIGHTS_BYTES = 8 << 30
 _CHUNK = 1 << 20
 HF_ENDPOINT = "https://huggingface.co"
+READABLE_SCHEMES = ("https://", "hf://")  # what the operator reads itself
 
 
 class InspectionError(RuntimeError):
@@ -57,14 +59,17 @@ class SourceInspector:
 
     def inspect(self, adapter: AdapterSource, credentials: Mapping[str, str]) -> AdapterFacts:
         declared = declared_facts(adapter)
-        if declared is not None:
+        if declared is not None and not adapter.source.startswith(READABLE_SCHEMES):
             return declared
         headers = {"Authorization": f"Bearer {credentials['HF_TOKEN']}"} if "HF_TOKEN" in credentials else {}
         try:
             config = config_facts(self._config(file_url(adapter.source, CONFIG_FILE, self._hf), headers))
             check_declared(adapter, config.rank)
-            digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
-            check_declared(adapter, config.rank, digest)
+            if declared is not None:  # the weights are not fetched: the agents verify the digest when they load them
+                digest, size = declared.digest, 0
+            else:
+                digest, size = self._hash(file_url(adapter.source, WEIGHTS_FILE, self._hf), headers)
+                check_declared(adapter, config.rank, digest)
         except AdapterFactsError as exc:
             raise InspectionError(exc.reason, exc.message) from exc
         return config.with_weights(digest, size)

@@ -31,7 +31,7 @@ from loraplex.spec.crd import (
 )
 from loraplex_operator.adapter_reconcile import Registration, adapter_view, rank_too_large, register_adapters
 from loraplex_operator.adapter_status import (
-    PLACEMENT_REASONS,
+    HEALING_REASONS,
     RANK_TOO_LARGE,
     TICK_REASONS,
     AdapterView,
@@ -181,7 +181,7 @@ def _prune_registry(spec: AdapterPoolSpec, deployments: Sequence[DeploymentInfo]
     for name, record in records.items():
         d = by_name.get(name)
         failed = d is not None and _handled(d) and d.status is not None and d.status.phase == "Failed" \
-            and d.status.reason not in PLACEMENT_REASONS
+            and d.status.reason not in HEALING_REASONS
         if d is None or failed or rank_too_large(record.rank, spec):
             store.remove_adapter(name)
             removed.append(name)
@@ -201,6 +201,15 @@ def _reregister(ref: ObjectRef, pool: AdapterPoolSpec, deployments: Sequence[Dep
               for r, done in zip(batch, register_adapters(ref.name, batch, deps), strict=True)]
     write_statuses(deps, writes)
     return len(writes)
+
+
+def _refused(servers: Sequence[ServerRecord]) -> dict[str, tuple[tuple[str, str, str], ...]]:
+    """adapter -> (server, digest, why) of each refusal to load it the servers report."""
+    found: dict[str, list[tuple[str, str, str]]] = {}
+    for s in servers:
+        for name, digest, why in s.refused:
+            found.setdefault(name, []).append((s.id, digest, why))
+    return {name: tuple(rows) for name, rows in found.items()}
 
 
 def _holders(servers: Sequence[ServerRecord]) -> dict[str, frozenset[str]]:
@@ -235,6 +244,7 @@ def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Seq
     a tick at rest costs a few dict lookups per adapter."""
     now = deps.clock.now()
     holders, top_rank = _holders(servers), max((s.max_rank for s in servers), default=0)
+    refused = _refused(servers)
     writes = []
     for d in deployments:
         prev = d.status
@@ -243,7 +253,8 @@ def _refresh_deployments(ref: ObjectRef, spec: AdapterPoolSpec, deployments: Seq
         record = records.get(d.name)
         tps = _observed(d, demand)
         inputs = (d.resource_version, spec.engine.max_lora_rank, record and (record.digest, record.rank),
-                  table.entries.get(d.name) if table else None, holders.get(d.name), top_rank, tps)
+                  table.entries.get(d.name) if table else None, holders.get(d.name), top_rank, tps,
+                  refused.get(d.name))
         if deps.refreshed.get(d.uid) == inputs:
             continue
         deps.refreshed[d.uid] = inputs

@@ -90,7 +90,7 @@ class Snapshot:
         record = self.adapters.get(adapter)
         entry = self.table.entries.get(adapter) if self.table else None
         rank = record.rank if record else entry.rank if entry else None
-        return RouteRequest(adapter, rank, prompt_tokens, prefix_blocks)
+        return RouteRequest(adapter, rank, prompt_tokens, prefix_blocks, alora=bool(record and record.is_alora))
 
     def candidates(self, adapter: str | None, down: set[str], in_flight: Mapping[str, int],
                    prefix_matches: Mapping[str, int] | None = None,

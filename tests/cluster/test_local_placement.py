@@ -88,3 +88,25 @@ def test_a_bad_manifest_is_reported_once_and_holds_up_no_other_file(tmp_path, ti
     bad.write_text(bad.read_text().replace("expectedTokensPerSecnd: 5", "expectedTokensPerSecond: -5"))
     stack.tick()
     assert len(caplog.records) == 2 and "expectedTokensPerSecond" in caplog.records[1].getMessage()
+
+
+@pytest.mark.parametrize("backend", ["loraplex", "vllm"])
+def test_an_activated_lora_is_not_applied_on_the_vllm_backend(tmp_path, tiny_alora_model, caplog, backend):
+    """As the operator fails its LoRADeployment: on --backend vllm an aLoRA manifest is reported (one line)
+    and stays out of the registry, while the standard LoRA beside it is applied."""
+    write_manifests(tmp_path, tiny_alora_model.adapters["lora00-r8"], "loraserve", {})
+    (tmp_path / "checker.yaml").write_text(
+        "apiVersion: loraplex.io/v1alpha1\nkind: LoRADeployment\nmetadata: {name: checker}\n"
+        f"spec:\n  pool: tiny\n  adapter: {{source: \"file://{tiny_alora_model.adapters['alora00-r8']}\"}}\n")
+    stack = LocalStack(StackConfig(manifests=tmp_path, workdir=tmp_path / "work", backend=backend))
+    stack.store = InMemoryRoutingStore("tiny", ManualClock())
+    caplog.set_level("ERROR", logger="loraplex.up")
+    stack.apply_manifests()
+    checker = stack.store.get_adapter("checker")
+    assert stack.store.get_adapter("free") is not None
+    if backend == "loraplex":
+        assert checker is not None and checker.is_alora and not caplog.records
+    else:
+        assert checker is None
+        [message] = [r.getMessage() for r in caplog.records]
+        assert "checker.yaml" in message and "activated LoRA" in message and "vllm" in message

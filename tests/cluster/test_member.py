@@ -3,6 +3,8 @@ record, prefetch of assigned adapters, eviction of unassigned ones, and never de
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 
@@ -19,7 +21,7 @@ from waiting import wait_until
 from loraplex.routing.memory_store import InMemoryRoutingStore
 from loraplex.routing.records import AdapterRecord
 from loraplex.routing.table import RoutingTable, make_entry
-from loraplex.spec.errors import OverloadedError
+from loraplex.spec.errors import AdapterError, OverloadedError
 from loraplex.util.clock import MonotonicClock
 
 ME, OTHER = "me", "other"
@@ -118,3 +120,27 @@ async def test_a_stalled_engine_leaves_the_registry_until_its_step_ends(member):
     wait_until(lambda: engine.stalled_for() == 0)
     await member._heartbeat()
     assert ME in {s.id for s in member.store.healthy_servers()}
+
+
+async def test_a_version_its_engine_refuses_is_in_the_heartbeat_until_unassigned(member, tmp_path):
+    """Fetched and verified, then refused by the engine (here a DoRA config): the heartbeat reports
+    (adapter, digest, why) for the operator, the prefetch does not retry it, a request still does."""
+    a = member.names[0]
+    dora = tmp_path / "dora"
+    shutil.copytree(member.store.get_adapter(a).source.removeprefix("file://"), dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    digest = adapter_digest(dora)
+    member.store.put_adapter(AdapterRecord("dora", digest, 8, 1, f"file://{dora}"))
+    publish(member.store, 1, {a: ME, "dora": ME})
+    await member.reconcile()
+    assert set(member.engine.adapters) == {a}
+    [(name, refused_digest, why)] = member.record().refused
+    assert (name, refused_digest) == ("dora", digest) and "use_dora" in why
+    assert member.store.get_adapter("dora").locations == set()
+    assert not member._needs(member.store.get_adapter("dora"))
+    with pytest.raises(AdapterError):
+        await member.ensure("dora")
+    publish(member.store, 2, {a: ME})
+    await member.reconcile()
+    assert member.record().refused == ()

@@ -154,6 +154,28 @@ def test_kv_is_never_shared_across_adapters_or_digests():
     assert tree.match(A1, [7, 7]).last is not tree.match(A2, [7, 7]).last
 
 
+def test_an_activated_loras_blocks_from_its_start_depend_on_it_and_on_where_it_started():
+    """From the block holding `start` on, an aLoRA's KV hangs below its adapter (I1: it leaves the
+    device before the adapter does); its first block is keyed by `start` and the whole prefix."""
+    tree, _ = make_tree(block_size=2)
+    node = loaded(tree, A1, [1])
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    tree.insert(None, tokens[:2], [10])  # block 0: before the start, the base model's
+    assert tree.insert(A1, tokens, [11, 12, 13], start=3).unadopted == []  # blocks 1-3
+    assert [b.key for b in tree.match(A1, tokens, start=3).blocks] == [(3, 1, 2, 3, 4), (5, 6), (7, 8)]
+    assert tree.match(A1, tokens, start=2).blocks == []  # the delta started elsewhere in block 1
+    assert tree.match(A1, [9, 2, 3, 4, 5, 6], start=3).blocks == []  # another prefix before it
+    loaded(tree, A2, [2])  # the same name with other weights
+    assert tree.match(A2, tokens, start=3).blocks == [] and tree.match(None, tokens).num_tokens == 2
+    assert tree.match(A1, tokens[:2], start=3).blocks == []  # nothing from block 1 on in these tokens
+    with pytest.raises(ValueError):
+        tree.evict_adapter(node)
+    tree.check_invariants()
+    released = tree.remove_adapter(A1)  # an unload (or a new digest) takes its blocks, not the base's
+    assert sorted(released.device_pages) == [1, 11, 12, 13] and tree.match(None, tokens).num_tokens == 2
+    tree.check_invariants()
+
+
 def test_insert_returns_duplicate_pages_and_keeps_its_own():
     tree, _ = make_tree()
     tree.insert(None, [1, 2, 3, 4], [10, 11])

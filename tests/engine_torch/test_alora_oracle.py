@@ -160,3 +160,43 @@ def test_a_swapped_out_conversation_comes_back_for_its_checkers(tiny_alora_model
     assert stats.kv_swap_ins > 0 and stats.prefix_hit_tokens - hits_before == len(chat) // BLOCK * BLOCK
     assert checker.num_cached_tokens == len(chat) // BLOCK * BLOCK
     check(llm, [checker], oracle)
+
+
+def test_a_repeated_checker_reuses_its_own_blocks_and_no_other_adapter_does(tiny_alora_model, oracle, invocation):
+    """The blocks from the invocation on are cached under the adapter's identity (name + digest): the
+    same aLoRA request again starts from all of them; another aLoRA adapter, or the same name
+    reloaded with other weights (a new digest), only from the base model's blocks before it."""
+    llm = make_llm(tiny_alora_model, num_blocks=300)
+    chat = prompts([3 * BLOCK + 5], seed=10)[0]
+    check_prompt = chat + invocation + prompts([2 * BLOCK], seed=11)[0]
+    base_part = len(chat) // BLOCK * BLOCK
+    whole = (len(check_prompt) - 1) // BLOCK * BLOCK  # one token is always computed
+    [first] = llm.generate([check_prompt], GREEDY, ["alora00-r8"])
+    [again] = llm.generate([check_prompt], GREEDY, ["alora00-r8"])
+    [other] = llm.generate([check_prompt], GREEDY, ["alora01-r16"])
+    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, whole, base_part)
+    check(llm, [first, again, other], oracle)
+    llm.remove_adapter("alora00-r8")
+    llm.add_adapter("alora00-r8", tiny_alora_model.adapters["alora01-r16"])  # new weights, new digest
+    [reloaded] = llm.generate([check_prompt], GREEDY, ["alora00-r8"])
+    assert reloaded.num_cached_tokens == base_part
+    expected = oracle.logits(check_prompt, reloaded.output_token_ids, "alora01-r16")[len(check_prompt) - 1:-1]
+    ours = torch.stack(llm.executor.captured_logits[reloaded.request_id])
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def test_a_checker_block_is_reused_only_from_the_same_invocation(tiny_alora_model, oracle, invocation):
+    """Two prompts equal up to the end of a block, whose last invocations start at different places
+    in it, computed that block differently: the second does not take the first's."""
+    assert len(invocation) >= 2
+    llm = make_llm(tiny_alora_model, num_blocks=300)
+    early, late = 2 * BLOCK + 2, 3 * BLOCK - 1  # both in block 2
+    text = with_invocations(prompts([3 * BLOCK], seed=12)[0], invocation, early)[:late]
+    first = text + [invocation[0], invocation[1] + 1] + prompts([BLOCK], seed=13)[0]
+    second = text + invocation + prompts([BLOCK], seed=14)[0]
+    assert first[:3 * BLOCK] == second[:3 * BLOCK]
+    [a] = llm.generate([first], GREEDY, ["alora00-r8"])
+    [b] = llm.generate([second], GREEDY, ["alora00-r8"])
+    assert (a.adapter_from, b.adapter_from) == (early, late)
+    assert b.num_cached_tokens == 2 * BLOCK  # the base model's blocks before block 2, not block 2
+    check(llm, [a, b], oracle)

@@ -29,7 +29,10 @@ def adapter_server() -> Iterator[str]:
         "/big/resolve/main/adapter_config.json": json.dumps({"r": 128}).encode(),
         "/big/resolve/main/adapter_model.safetensors": weights,
         "/checker/resolve/main/adapter_config.json": json.dumps({"r": 8, "alora_invocation_tokens": [30, 94, 922]}).encode(),
-        "/checker/resolve/main/adapter_model.safetensors": weights}) as url:
+        "/checker/resolve/main/adapter_model.safetensors": weights,
+        # a config and no weights: a deployment that declares sha256 and rank never fetches them
+        "/declared-checker/resolve/main/adapter_config.json": json.dumps(
+            {"r": 8, "alora_invocation_tokens": [30, 94, 922]}).encode()}) as url:
         yield url
 
 
@@ -122,6 +125,46 @@ def test_an_activated_lora_is_registered_as_one_and_fails_on_a_vllm_pool(world: 
     status = world.status("LoRADeployment", "checker")
     assert (status["phase"], status["reason"]) == ("Failed", "ActivatedLoRAUnsupported")
     assert "vllm" in status["message"] and world.stores["tiny"].get_adapter("checker") is None
+
+
+def test_a_declared_activated_lora_is_still_known_as_one(world: World) -> None:
+    """Declaring sha256 and rank spares the download of the weights, not the read of adapter_config.json:
+    the record says aLoRA, so a vllm pool refuses the adapter whether or not its digest was declared."""
+    world.heartbeat("tiny", "tiny-0")
+    declared = {"source": "hf://declared-checker", "sha256": "e" * 64, "rank": 8}
+    world.create("LoRADeployment", "checker", {"pool": "tiny", "adapter": declared}, "c-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "checker")
+    record = world.stores["tiny"].get_adapter("checker")
+    assert (record.invocation_tokens, record.digest, record.rank) == ((30, 94, 922), "sha256:" + "e" * 64, 8)
+    _pool(world, engine={"backend": "vllm"})
+    world.call(handlers.adapter_changed, "LoRADeployment", "checker")
+    status = world.status("LoRADeployment", "checker")
+    assert (status["phase"], status["reason"]) == ("Failed", "ActivatedLoRAUnsupported")
+    wrong = {"pool": "tiny", "adapter": {**declared, "rank": 16}}
+    world.create("LoRADeployment", "wrong", wrong, "w-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "wrong")
+    assert world.status("LoRADeployment", "wrong")["reason"] == "RankMismatch"
+
+
+def test_a_version_the_servers_refuse_to_load_fails_until_they_load_it(world: World) -> None:
+    """What the operator cannot read (an s3:// aLoRA on a vllm pool): the agents fetch it, verify it
+    and report their engine's refusal in their heartbeats; the tick fails the deployment with it."""
+    _pool(world, engine={"backend": "vllm"})
+    world.heartbeat("tiny", "tiny-0")
+    _declared(world, "checker", 8)
+    assert world.status("LoRADeployment", "checker")["phase"] == "Loading"
+    why = "adapter 'checker' is an activated LoRA (alora_invocation_tokens); the vllm backend cannot serve it"
+    world.heartbeat("tiny", "tiny-0", refused=(("checker", "sha256:" + "e" * 64, why),
+                                               ("checker", "sha256:" + "0" * 64, "an older version")))
+    world.tick("tiny")
+    status = world.status("LoRADeployment", "checker")
+    assert (status["phase"], status["reason"]) == ("Failed", "AdapterRefused")
+    assert status["message"].endswith(f"tiny-0: {why}") and "older" not in status["message"]
+    assert world.events.reasons("checker")[-1] == "AdapterRefused"
+    world.heartbeat("tiny", "tiny-0", holds=("checker",))  # e.g. a fixed engine loaded it
+    world.clock.advance(5)
+    world.tick("tiny")
+    assert world.status("LoRADeployment", "checker")["phase"] == "Ready", world.status("LoRADeployment", "checker")
 
 
 def test_missing_pool_is_pending_and_retried(world: World) -> None:

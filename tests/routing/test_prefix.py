@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from loraplex_router.snapshot import Snapshot
 
 from loraplex.routing.choice import RoutingChoice, build_profile
 from loraplex.routing.pipeline import Candidate, PrefixFilter, RouteRequest, make_profile, prefix_config
@@ -18,6 +19,7 @@ from loraplex.routing.prefix import (
     chunk_tokens,
     token_keys,
 )
+from loraplex.routing.records import AdapterRecord
 
 SEED = adapter_seed("a", "sha256:0")
 
@@ -108,6 +110,20 @@ def test_the_filter_keeps_the_longest_match_under_the_load_ceiling() -> None:
     assert ids(f.filter(request, cands((8, 9), (0, 2), (0, 4)))) == ["s1", "s2"]  # no match under it: the light
     assert ids(f.filter(request, cands((0, 0), (0, 5)))) == ["s0", "s1"]  # no match anywhere: φ decides
     assert ids(f.filter(RouteRequest("a"), cands((8, 0), (0, 0)))) == ["s0", "s1"]
+
+
+def test_an_activated_loras_request_may_queue_longer_behind_its_conversation() -> None:
+    """A checker fan-out stays on the server holding its conversation up to `alora_slack` more requests
+    than ordinary traffic would, and no further."""
+    f = PrefixFilter(PrefixConfig(load_factor=1.5, load_slack=2, alora_slack=4))
+    checker, ordinary = RouteRequest("c", prefix_blocks=8, alora=True), RouteRequest("a", prefix_blocks=8)
+    assert ids(f.filter(checker, cands((8, 6), (0, 0)))) == ["s0"]  # 6 <= 0 * 1.5 + 2 + 4
+    assert ids(f.filter(ordinary, cands((8, 6), (0, 0)))) == ["s1"]
+    assert ids(f.filter(checker, cands((8, 7), (0, 0)))) == ["s1"]  # still bounded by load
+    records = {"chk": AdapterRecord("chk", "sha256:0", 8, 1, "file:///chk", invocation_tokens=(7, 8)),
+               "a": AdapterRecord("a", "sha256:1", 8, 1, "file:///a")}
+    snapshot = Snapshot(None, {}, records)  # the router's: the record says which adapter is activated
+    assert snapshot.route_request("chk", prefix_blocks=8).alora and not snapshot.route_request("a").alora
 
 
 def test_prefix_profiles_read_their_options() -> None:

@@ -6,6 +6,12 @@ and on every block before it, so a node is only usable on the device when its wh
 operations keep the device-resident part of the tree a connected subtree holding the root (I1),
 let only leaves of that subtree leave the device (I2) and only children of it enter (I3).
 
+An activated LoRA computes the base model's KV before the position its delta starts from: those
+blocks hang below the base model's node, shared. Its blocks from the one holding that `start` on
+hang below its own adapter node, so they depend on the adapter as every adapter's KV does; the
+first of them is keyed by `start` and every token up to its end, since its KV also depends on the
+base prefix before it and on where the delta began.
+
 This is bookkeeping over page ids only. Which pages to allocate, what to evict first and when to
 copy belong to the memory manager; the tree answers what is legal and keeps the candidate sets.
 """
@@ -173,10 +179,11 @@ class DependencyTree:
 
     # ---- KV blocks ------------------------------------------------------------------------------
 
-    def match(self, adapter: AdapterId | None, token_ids: Sequence[int]) -> Match:
-        """The longest chain of blocks of `token_ids` under `adapter`; counts a visit on the path."""
+    def match(self, adapter: AdapterId | None, token_ids: Sequence[int], start: int = 0) -> Match:
+        """The longest chain of blocks of `token_ids` under `adapter` from the block holding `start`
+        on (an activated LoRA's delta start; 0: from the first block); counts a visit on the path."""
         node = self._require_adapter(adapter)
-        blocks = self._walk(node, token_ids)
+        blocks = self._walk(node, token_ids, start)
         now = self._clock.now()
         for visited in (node, *blocks):
             visited.visits += 1
@@ -189,19 +196,22 @@ class DependencyTree:
         node = self.root.children.get(adapter)
         return len(self._walk(node, token_ids)) if node is not None else 0
 
-    def insert(self, adapter: AdapterId | None, token_ids: Sequence[int], pages: Sequence[int]) -> Inserted:
-        """Adopt `pages[i]` (the device page of full block i) for each block not yet in the tree.
+    def insert(self, adapter: AdapterId | None, token_ids: Sequence[int], pages: Sequence[int],
+               start: int = 0) -> Inserted:
+        """Adopt `pages[i]` (the device page of full block i, counted from the block holding `start`)
+        for each block not yet in the tree.
 
         Pages past the full blocks are ignored. Blocks below a node that is not on the device are
         not adopted: their KV would be unusable there (I1). The tree never takes a page it holds
         for another node.
         """
         node = self._require_adapter(adapter)
-        num_blocks = len(token_ids) // self.block_size
+        first = start // self.block_size
+        num_blocks = max(0, len(token_ids) // self.block_size - first)
         if len(pages) < num_blocks:
             raise ValueError(f"{num_blocks} full blocks but only {len(pages)} pages")
         pages = list(pages[:num_blocks])
-        chain = self._walk(node, token_ids)
+        chain = self._walk(node, token_ids, start)
         self._check_insert_pages(chain, pages)
         matched = zip(chain, pages[:len(chain)], strict=True)
         unadopted = [page for block, page in matched if page not in block.device_pages]
@@ -209,8 +219,8 @@ class DependencyTree:
         rest = pages[len(chain):]
         if rest and last.tier is not Tier.DEVICE:  # by I1 a DEVICE node's whole path is on the device
             return Inserted(last, unadopted + rest)
-        for index, page in enumerate(rest, start=len(chain)):
-            last = self._add_block(last, self._key(token_ids, index), page)
+        for index, page in enumerate(rest, start=first + len(chain)):
+            last = self._add_block(last, self._key(token_ids, index, start), page)
         return Inserted(last, unadopted)
 
     def lock(self, node: TreeNode) -> None:
@@ -310,14 +320,18 @@ class DependencyTree:
 
     # ---- internals: walking ---------------------------------------------------------------------
 
-    def _key(self, token_ids: Sequence[int], index: int) -> tuple[int, ...]:
-        start = index * self.block_size
-        return tuple(token_ids[start:start + self.block_size])
+    def _key(self, token_ids: Sequence[int], index: int, start: int = 0) -> tuple[int, ...]:
+        """Block `index`'s tokens; the first block of a chain that starts at `start` > 0 is keyed by
+        `start` and every token up to its end."""
+        end = (index + 1) * self.block_size
+        if start and index == start // self.block_size:
+            return (start, *token_ids[:end])
+        return tuple(token_ids[end - self.block_size:end])
 
-    def _walk(self, node: TreeNode, token_ids: Sequence[int]) -> list[TreeNode]:
+    def _walk(self, node: TreeNode, token_ids: Sequence[int], start: int = 0) -> list[TreeNode]:
         chain: list[TreeNode] = []
-        for index in range(len(token_ids) // self.block_size):
-            child = node.children.get(self._key(token_ids, index))
+        for index in range(start // self.block_size, len(token_ids) // self.block_size):
+            child = node.children.get(self._key(token_ids, index, start))
             if child is None:
                 break
             chain.append(child)
@@ -500,7 +514,8 @@ class DependencyTree:
         else:
             _expect(node.kind is NodeKind.BLOCK and parent.kind is not NodeKind.ROOT,
                     "a block hangs from the root")
-            _expect(isinstance(node.key, tuple) and len(node.key) == self.block_size,
+            first_of_a_start = parent.kind is NodeKind.ADAPTER and len(node.key) > self.block_size
+            _expect(isinstance(node.key, tuple) and (len(node.key) == self.block_size or first_of_a_start),
                     "a block key is not one block")
 
     def _check_node_pages(self, node: TreeNode) -> None:

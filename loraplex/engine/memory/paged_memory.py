@@ -60,7 +60,7 @@ class PagedMemory:
         self._free_handles: list[int] = []  # a min-heap of handles given back
         self._next_handle = count()
         self._shared: dict[str, int] = {}  # request_id -> leading blocks of its table owned by the tree
-        self._locks: dict[str, Node] = {}  # request_id -> the deepest tree node it holds
+        self._locks: dict[str, list[Node]] = {}  # request_id -> the deepest tree nodes it holds
         self._jobs: dict[int, Node] = {}  # background copies in flight
         self._swap_in_nodes: dict[int, list[Node]] = {}  # KV swap-in job -> its nodes, top down
         self._fresh: set[AdapterId] = set()  # loaded on demand and not used yet: the next use was a miss
@@ -234,16 +234,15 @@ class PagedMemory:
     def begin(self, request: Request) -> bool:
         if not self.keeps_prefixes or not request.reuses_cached_prefix:
             return True
-        adapter, keyed = request.cache_key
-        usable = min(request.num_tokens - 1, keyed) // self.block_size  # one token is always computed: it samples
-        chain = self.tree.match(adapter, request.token_slice(0, usable * self.block_size)).blocks
+        usable = (request.num_tokens - 1) // self.block_size  # one token is always computed: it samples
+        chain = self._match(request, request.token_slice(0, usable * self.block_size))
         on_device = next((i for i, n in enumerate(chain) if n.tier is not Tier.DEVICE), len(chain))
         if on_device < len(chain):
-            anchor = chain[on_device - 1] if on_device else None
-            if anchor is not None:
-                self.tree.lock(anchor)  # making room for the copy must not evict the prefix above it
+            anchors = self._ends(request, chain[:on_device]) if on_device else []
+            for anchor in anchors:  # making room for the copy must not evict the prefix above it
+                self.tree.lock(anchor)
             waiting = self._start_swap_in(chain[on_device:])
-            if anchor is not None:
+            for anchor in anchors:
                 self.tree.unlock(anchor)
             if waiting:
                 return False  # waits for its prefix to come back, other requests run
@@ -253,12 +252,29 @@ class PagedMemory:
         if not request.num_preemptions:  # what the client saved: its first admission's hit
             request.num_cached_tokens = len(chain) * self.block_size
         if chain:
-            self.tree.lock(chain[-1])
-            self._locks[request.request_id] = chain[-1]
+            locks = self._ends(request, chain)
+            for node in locks:
+                self.tree.lock(node)
+            self._locks[request.request_id] = locks
             self._shared[request.request_id] = len(chain)
             request.block_ids = [n.device_pages[0] for n in chain]
             request.num_computed_tokens = len(chain) * self.block_size
         return True
+
+    def _match(self, request: Request, tokens: list[int]) -> list[Node]:
+        """The cached chain of `tokens`: an activated LoRA's base blocks, then its own from the block
+        holding its start (only after every base block before it)."""
+        adapter, start = request.cache_key
+        head = start // self.block_size
+        chain = self.tree.match(None, tokens[:head * self.block_size]).blocks if head else []
+        if len(chain) < head:
+            return chain
+        return chain + self.tree.match(adapter, tokens, start).blocks
+
+    def _ends(self, request: Request, chain: list[Node]) -> list[Node]:
+        """The deepest nodes of `chain` in each subtree it crosses (an aLoRA's: the base's and its own)."""
+        head = request.cache_key[1] // self.block_size
+        return [chain[head - 1], chain[-1]] if 0 < head < len(chain) else [chain[-1]]
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         if request.num_computed_tokens + num_new_tokens <= len(request.block_ids) * self.block_size:
@@ -274,19 +290,32 @@ class PagedMemory:
 
     def release(self, request: Request) -> None:
         shared = self._shared.pop(request.request_id, 0)
-        locked = self._locks.pop(request.request_id, None)
+        locked = self._locks.pop(request.request_id, [])
         own = request.block_ids[shared:]
-        adapter, keyed = request.cache_key
-        if self.keeps_prefixes and adapter not in self._retiring:
-            full = min(min(request.num_computed_tokens, keyed) // self.block_size, len(request.block_ids))
-            tokens = request.token_slice(0, full * self.block_size)
-            inserted = self.tree.insert(adapter, tokens, request.block_ids[:full])
-            kept = set(request.block_ids[shared:full]) - set(inserted.unadopted)
+        if self.keeps_prefixes:
+            kept = self._insert(request)
             own = [page for page in own if page not in kept]
         self.pool.free(own)
-        if locked is not None:
-            self.tree.unlock(locked)
+        for node in locked:
+            self.tree.unlock(node)
         request.block_ids = []
+
+    def _insert(self, request: Request) -> set[int]:
+        """Offers the request's computed full blocks to the tree (an activated LoRA's base blocks as
+        the base model's, the rest as its own); returns the pages the tree holds now."""
+        adapter, start = request.cache_key
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        head = min(start // self.block_size, full)
+        tokens = request.token_slice(0, full * self.block_size)
+        pages = request.block_ids[:full]
+        offered = [(None, tokens[:head * self.block_size], pages[:head], 0)] if head else []
+        if adapter not in self._retiring:
+            offered.append((adapter, tokens, pages[head:], start))
+        kept: set[int] = set()
+        for key, keyed_tokens, keyed_pages, keyed_start in offered:
+            inserted = self.tree.insert(key, keyed_tokens, keyed_pages, keyed_start)
+            kept |= set(keyed_pages) - set(inserted.unadopted)
+        return kept
 
     def _start_swap_in(self, nodes: list[Node]) -> bool:
         """Bring a matched host prefix back, top down; True when the request should wait for it."""

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.store import RoutingStore, StoreUnavailableError, Subscription
 from loraplex.routing.table import RoutingTable
-from loraplex.spec.errors import ConflictError, LoraplexError, NotFoundError, OverloadedError
+from loraplex.spec.errors import AdapterError, ConflictError, LoraplexError, NotFoundError, OverloadedError
 from loraplex_agent.cluster.engine_view import ClusterEngine
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.settings import ClusterSettings
@@ -54,6 +54,7 @@ class ClusterMember:
         self._assigned: set[str] = set()
         self._unassigned_once: set[str] = set()
         self._managed: dict[str, AdapterRecord] = {}  # adapters this member fetched, by name
+        self._refused: dict[str, tuple[str, str]] = {}  # name -> (digest, why) the engine refused to load
         self._loading: dict[str, asyncio.Task] = {}
         self._pins: Counter[str] = Counter()  # requests in flight per adapter: never evicted under them
         self._unloading: set[str] = set()
@@ -89,7 +90,8 @@ class ClusterMember:
                             base_model=self.base_model, capabilities=("peer-fetch",), load=load,
                             gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
                             heartbeat_at=time.time(), batch=batch, backend=self.backend, agent_url=agent_url,
-                            max_adapters=self.max_adapters, block_size=self.engine.kv_block_size)
+                            max_adapters=self.max_adapters, block_size=self.engine.kv_block_size,
+                            refused=tuple((n, d, why) for n, (d, why) in sorted(self._refused.items())))
 
     async def _heartbeat(self) -> None:
         """Register (renew the TTL) while the engine is healthy; leave the registry while it is not."""
@@ -139,6 +141,7 @@ class ClusterMember:
         # only the records of what this server is assigned or holds: not the whole registry every pass
         wanted = self._assigned | self._managed.keys()
         records = {r.name: r for r in await asyncio.to_thread(self.store.adapters, wanted)}
+        self._refused = {n: r for n, r in self._refused.items() if n in records and records[n].digest == r[0]}
         await self._prefetch([records[n] for n in sorted(self._assigned) if n in records])
         await self._evict(records)
         await self._assert_locations(records)
@@ -155,6 +158,9 @@ class ClusterMember:
         await asyncio.gather(*(one(r) for r in records if self._needs(r)))
 
     def _needs(self, record: AdapterRecord) -> bool:
+        """Not loaded at this version, nor refused at it (a request for it still tries again)."""
+        if self._refused.get(record.name, ("",))[0] == record.digest:
+            return False
         loaded = self.engine.adapters.get(record.name)
         return loaded is None or loaded.info.id.digest != record.digest
 
@@ -245,6 +251,10 @@ class ClusterMember:
             loaded = self.engine.adapters.get(name)
             if loaded is None or loaded.info.id.digest != record.digest:
                 raise  # the old version is still draining; the next pass retries
+        except AdapterError as exc:  # fetched and verified, and still not servable here: the heartbeat says so
+            self._refused[name] = (record.digest, exc.message)
+            raise
+        self._refused.pop(name, None)
         self._managed[name] = record
         await asyncio.to_thread(self.store.add_location, name, self.settings.server_id)
         log.info("adapter %s (%s) is in host memory", name, record.digest[:19])
