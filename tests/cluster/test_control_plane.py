@@ -130,8 +130,9 @@ def _edit_pool(world: World, folder: Path, spec: dict[str, Any]) -> None:
 
 def test_the_routing_choice_reaches_the_table_one_way_in_both_drivers(tmp_path: Path) -> None:
     """The pool's controller carries spec.routing into the tables it publishes, in both drivers; an
-    edited choice is placed at once (not at the 30 s interval), keeping the routes."""
-    deployment = {"pool": POOL, "adapter": {"source": "hf://org/a", "sha256": "e" * 64, "rank": 8}}
+    edited choice is placed at once (not at the 30 s interval), keeping the routes. (An s3:// adapter
+    with its digest and rank declared: neither driver reads it.)"""
+    deployment = {"pool": POOL, "adapter": {"source": "s3://adapters/a", "sha256": "e" * 64, "rank": 8}}
     chosen = {"profile": "rank-aware", "options": {"slo_tpot_s": "0.05"}}
     world = World("http://127.0.0.1:9")
     world.create("AdapterPool", POOL, with_spec(routing=chosen), "pool-uid")
