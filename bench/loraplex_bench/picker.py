@@ -201,7 +201,7 @@ async def _picks(bench: Bench, profile: str, flags: tuple[str, ...], requests: l
         ex = await gateway.send(body, pieces=4, forward=False)
         if ex.immediate:
             raise CommandError(f"the picker refused a request: {ex.status} {ex.body!r}")
-        return bench.by_endpoint[ex.destination]
+        return bench.by_endpoint[ex.destination.split(",")[0]]  # the primary; the rest are fallbacks
     picker = await _each(picked, requests, concurrency)
     await gateway.close()
     child.stop()
