@@ -13,8 +13,8 @@ chunks, forwarding to the chosen endpoint). Three parts, each optional:
    bench router` measures it.
 2. Shares: `--decisions` requests of a replayed Azure 2023 trace (its order and prompt lengths; the
    adapter is the prompt length mod 5) through an HTTP router and through a picker, per routing
-   profile, `--concurrency` at a time: per adapter, each server's share of picks by the picker, by the
-   HTTP router and the table's φ. Then `--identical` requests one at a time through both, seeded alike
+   profile, `--concurrency` at a time: per adapter, each server's share of picks by the picker (its
+   primary endpoint), by the HTTP router (the server that answered) and the table's φ. Then `--identical` requests one at a time through both, seeded alike
    with one server per request (no fallbacks drawn): the picks must agree request by request.
 3. Leak: `--leak-requests` requests at `--concurrency`, every tenth cancelled (alternately before the
    body ends and after the routing reply); afterwards the picker's open streams, running requests and
@@ -173,12 +173,12 @@ async def _latency(bench: Bench, n: int) -> dict:
 async def _shares(bench: Bench, profile: str, requests: list[bytes], concurrency: int, identical: int) -> dict:
     """Per adapter and server: the picker's share, the HTTP router's, φ; the largest differences. Then
     `identical` requests one at a time through both, seeded alike: how many picks agree."""
-    flags = ("--profile", profile, "--seed", str(SEED), "--max-attempts", "1")
+    flags = ("--profile", profile, "--seed", str(SEED))
     router, picker = await _picks(bench, profile, flags, requests, concurrency)
     result = _compare(_by_adapter(requests, picker[0]), _by_adapter(requests, router[0]), len(requests),
                       picker[1], concurrency)
-    if identical:
-        router, picker = await _picks(bench, profile, flags, requests[:identical], 1)
+    if identical:  # one server per request: no fallback drawn from the random source, no retry
+        router, picker = await _picks(bench, profile, (*flags, "--max-attempts", "1"), requests[:identical], 1)
         result["sequential_identical_picks"] = f"{sum(a == b for a, b in zip(router[0], picker[0], strict=True))}" \
                                                f"/{identical}"
     return result
@@ -201,7 +201,7 @@ async def _picks(bench: Bench, profile: str, flags: tuple[str, ...], requests: l
         ex = await gateway.send(body, pieces=4, forward=False)
         if ex.immediate:
             raise CommandError(f"the picker refused a request: {ex.status} {ex.body!r}")
-        return bench.by_endpoint[ex.destination]
+        return bench.by_endpoint[ex.destination.split(",")[0]]  # the primary; the rest are fallbacks
     picker = await _each(picked, requests, concurrency)
     await gateway.close()
     child.stop()

@@ -7,10 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 from loraplex_operator import handlers
 from loraplex_operator.config import OperatorConfig
+from loraplex_operator.kube import KubeError
 from loraplex_operator.pool_objects import PoolRef, build_inference_pool, build_statefulset, pool_objects
 from operator_world import NS, World
 
@@ -90,7 +92,7 @@ def test_config_from_the_charts_environment() -> None:
         OperatorConfig.from_env({"LORAPLEX_PICKER_FAILURE_MODE": "open"})
 
 
-def test_the_pool_handler_applies_it_last(tmp_path) -> None:
+def test_the_pool_handler_applies_it_last() -> None:
     world = World("http://127.0.0.1:9")
     world.deps.config = OperatorConfig(registration_batch_seconds=0, inference_pool=True)
     world.create("AdapterPool", "tiny", SPEC, "pool-uid")
@@ -99,3 +101,16 @@ def test_the_pool_handler_applies_it_last(tmp_path) -> None:
                                                        "StatefulSet", "InferencePool"]
     pool = world.kube.objects[("InferencePool", NS, "tiny")]
     assert pool["metadata"]["ownerReferences"][0]["uid"] == "pool-uid"
+
+
+def test_missing_gie_crds_fail_the_pool_with_the_api_servers_answer() -> None:
+    """The kind is unknown to the API server: the pool's other objects are applied, and its status says
+    which object failed and why (the chart's CRD check prevents this at install)."""
+    world = World("http://127.0.0.1:9")
+    world.deps.config = OperatorConfig(registration_batch_seconds=0, inference_pool=True)
+    world.kube.refuse["InferencePool"] = KubeError(404, "no matches for kind InferencePool in version "
+                                                        "inference.networking.k8s.io/v1")
+    world.create("AdapterPool", "tiny", SPEC, "pool-uid")
+    with pytest.raises(kopf.TemporaryError, match="InferencePool tiny: no matches"):
+        world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    assert [o["kind"] for o in world.kube.applied] == ["ConfigMap", "Service", "PodDisruptionBudget", "StatefulSet"]
