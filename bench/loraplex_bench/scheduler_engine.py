@@ -39,11 +39,11 @@ from loraplex_bench.output import stage
 from loraplex_bench.scheduler_compare import (
     BASELINE,
     Block,
+    Observed,
     RunAt,
-    RunResult,
     at_rate,
     drive,
-    measure,
+    observe,
     parse_list,
     policy_of,
     scheduler_options,
@@ -93,8 +93,8 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
 def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[str, Any]) -> Block:
     block = Block("engine", policy, settings, baseline_policy=policy_of(side.args, policy, BASELINE))
     side.calibrate(block, trace)
-    sweep(block, side.run_at(trace, policy, block.slo_ttft_s), schedulers_of(side.args),
-          parse_list(side.args.loads, "--loads", float), search=False)
+    sweep(block, side.run_at(trace, policy), schedulers_of(side.args),
+          parse_list(side.args.loads, "--loads", float), search=False, repeats=side.args.engine_repeats)
     return block
 
 
@@ -172,13 +172,13 @@ class EngineSide:
         block.saturation_rps = len(log.requests) / (log.end - log.origin)
         block.saturation_method = "requests/s of FIFO serving the whole trace at once"
 
-    def run_at(self, trace: Trace, policy: str, slo_s: float) -> RunAt:
-        def run_one(scheduler: str, rps: float) -> RunResult:
+    def run_at(self, trace: Trace, policy: str) -> RunAt:
+        def run_one(scheduler: str, rps: float) -> Observed:
             scaled = at_rate(trace, rps)
             llm, ids = self.llm(scheduler, policy_of(self.args, policy, scheduler))
             log = drive(llm.core, scaled, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens,
                         self.vocab_size)
-            return measure(llm.core, log, scaled, scheduler, rps, slo_s)
+            return observe(llm.core, log, scaled)
 
         return run_one
 

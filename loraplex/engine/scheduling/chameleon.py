@@ -11,6 +11,10 @@ equivalents), and joins the size queue its WRS falls in. Every step, after the r
 1. Phase 1, smallest queue first: each queue admits in arrival order while its quota has room,
    stopping at the first request that does not fit. A queue left empty lends what it did not use.
 2. Phase 2, smallest queue first: the lent spare admits more, again stopping at a misfit.
+3. Fill (beyond the paper; `work_conserving`, on by default): whatever seats and budget the quotas
+   left goes to any waiting request that fits, queues in the step's order, each in arrival order,
+   past misfits and blocked heads; such a request borrows no quota. With the quotas alone a
+   queue at its quota waits while seats and budget sit idle whenever another queue is not empty.
 
 A request borrows min(need, its queue's quota) tokens and one seat at admission and returns them
 when it finishes (or is preempted). Quotas come from the M/M/1 floor (`quotas`); seats, the
@@ -65,6 +69,7 @@ from loraplex.util.clock import Clock
 
 SPARE = -1  # `_Entry.charged_to` of a request admitted on the spare of emptied queues (or by an aged head)
 UNCHARGED = -2  # waiting: holds nothing
+IDLE = -3  # admitted on capacity the quotas left idle this step (work-conserving fill): holds no quota
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,9 @@ class ChameleonOptions:
     # (None: aging_factor x the recent mean wait, at most half of slo_s; 0: off, the paper's order alone)
     max_wait_s: float | None = None
     aging_factor: float = 1.0
+    # after the quotas, any waiting request that fits takes what the step left idle (False: the paper's
+    # quotas alone, which leave seats and budget idle while a quota-bound queue waits)
+    work_conserving: bool = True
 
     def __post_init__(self) -> None:
         for name in ("refresh_s", "shift_window_s", "slo_s", "default_service_s", "elbow_gain"):
@@ -141,6 +149,7 @@ class _Blocked:
 class _Step:
     budget: int
     stopped: bool = False  # a global limit (budget, seats, KV) ended admission for this step
+    kv_refused: float = math.inf  # the smallest first chunk (tokens) refused for KV pages this step
 
 
 class ChameleonScheduler(BatchScheduler):
@@ -170,7 +179,7 @@ class ChameleonScheduler(BatchScheduler):
         self._holder: _Blocked | None = None  # the blocked head that memory is reserved for
         self._starved: set[int] = set()
         self._spare_tokens = self._spare_seats = self._held_total = 0
-        self.num_squashes = self.num_bypasses = self.num_refreshes = 0
+        self.num_squashes = self.num_bypasses = self.num_refreshes = self.num_idle_admissions = 0
         self.overloaded = False
         # timers start at the first step, on whatever clock the scheduler has then (a profiler swaps it)
         self._next_refresh: float | None = None
@@ -236,6 +245,8 @@ class ChameleonScheduler(BatchScheduler):
 
     def _borrow(self, entry: _Entry, where: int, charge: int) -> None:
         entry.charged_to, entry.charge = where, charge
+        if where == IDLE:
+            return
         if where == SPARE:
             self._spare_tokens += charge
             self._spare_seats += 1
@@ -246,7 +257,8 @@ class ChameleonScheduler(BatchScheduler):
 
     def _give_back(self, entry: _Entry) -> None:
         where = entry.charged_to
-        if where == UNCHARGED:
+        if where in (UNCHARGED, IDLE):
+            entry.charged_to, entry.charge = UNCHARGED, 0
             return
         if where == SPARE:
             self._spare_tokens -= entry.charge
@@ -313,6 +325,34 @@ class ChameleonScheduler(BatchScheduler):
             spare_seats -= used_seats
         if step.stopped:
             self._starved = {q for q in range(k) if q not in served and self.queues[q]}
+        if self.options.work_conserving:
+            self._fill(order, out, step)
+
+    def _fill(self, order: list[int], out: SchedulerOutput, step: _Step) -> None:
+        """Work conservation: what the quotas left of the step's seats and budget goes to any waiting
+        request that fits, queues in this step's order, each in arrival order, past blocked heads
+        (the holder's reservation still stands). A request refused for KV pages does not end the
+        pass: only first chunks at least as large are skipped after it. These requests borrow no
+        quota (`IDLE`): the quotas keep ordering the steps to come."""
+        max_seqs = self.config.max_num_seqs
+        for q in order:
+            queue, i = self.queues[q], 0
+            while i < len(queue):
+                if step.budget <= 0 or len(self.running) >= max_seqs:
+                    return
+                entry = queue[i]
+                request = entry.request
+                if min(request.num_tokens - request.num_computed_tokens, step.budget) >= step.kv_refused:
+                    i += 1
+                    continue
+                if self._admit_entry(entry, q, out, step) is Admit.OK:
+                    del queue[i]
+                    self._borrow(entry, IDLE, 0)
+                    self.num_idle_admissions += 1
+                    if q in self._blocked and self._blocked[q].entry is entry:
+                        self._unblock(q)
+                    continue
+                i += 1
 
     def max_wait_s(self) -> float:
         """How long a queue head may wait before it goes first: `max_wait_s` when set, else
@@ -406,6 +446,8 @@ class ChameleonScheduler(BatchScheduler):
                 return Admit.NO_SLOT  # memory that frees goes to the holder first
         first = request.first_scheduled_time is None
         admit = self._admit(request, out, step.budget)
+        if admit is Admit.NO_KV:
+            step.kv_refused = min(step.kv_refused, request.num_tokens - request.num_computed_tokens, step.budget)
         if admit is Admit.OK:
             step.budget -= out.chunks[-1].num_tokens
             now = self.clock.now()
@@ -415,6 +457,26 @@ class ChameleonScheduler(BatchScheduler):
                 self._mean_wait[q] = wait if mean is None else mean + 0.1 * (wait - mean)
                 self._recent_wait = wait if recent is None else recent + 0.05 * (wait - recent)
         return admit
+
+    def _held_reason(self, request: Request) -> str:
+        """Why a waiting request that fits was left waiting: its adapter is reserved for the holder,
+        its queue's token or seat quota, the pool all charges share, a blocked head it may not pass,
+        or its place behind a request that could not start."""
+        entry = self._entries[request.request_id]
+        q = classify(entry.wrs, self.bounds)
+        holder = self._holder
+        if holder is not None and entry is not holder.entry and request.adapter == holder.reserved:
+            return "reservation"
+        blocked = self._blocked.get(q)
+        if blocked is not None and blocked.entry is not entry:
+            return "bypass"
+        charge = self._charge(entry, q)
+        if (self.held_tokens[q] + charge > self.quota_tokens[q]
+                or self.held_seats[q] + 1 > self.quota_seats[q]):
+            return "quota"
+        if self._held_total + charge > self.token_pool:
+            return "pool"
+        return "order"
 
     # ---- bypass, reservation and squash -------------------------------------------------------
 
@@ -654,6 +716,7 @@ class ChameleonScheduler(BatchScheduler):
         return SchedulerStats(
             policy=self.policy, queues=queues, num_preemptions=self.num_preemptions,
             num_squashes=self.num_squashes, num_bypasses=self.num_bypasses, num_refreshes=self.num_refreshes,
+            num_idle_admissions=self.num_idle_admissions,
             overloaded=self.overloaded, token_pool=self.token_pool, spare_held_tokens=self._spare_tokens,
             predictor=self.predictor.stats(), adapter_service=dict(self.adapter_service),
-            admission_limits=dict(self.admission_limits))
+            admission_limits=dict(self.admission_limits), idle=self.idle.snapshot())
