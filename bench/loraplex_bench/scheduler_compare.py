@@ -139,6 +139,9 @@ class RunResult:
     idle: IdleCapacity = field(default_factory=IdleCapacity)  # steps, seats, tokens idle while a request fitted
     idle_admissions: int = 0  # chameleon: started on what its quotas left idle (work-conserving)
     ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
+    steps: int = 0  # engine steps
+    step_ms: float = 0.0  # mean wall (engine) or simulated (twin) time of a step
+    adapter_loads: int = 0
     round: int | None = None  # of --engine-repeats (None: every round pooled, or the only run)
     rounds: int = 1  # runs pooled into this one
     p99_ttft_vs_fifo: float | None = None
@@ -189,6 +192,8 @@ class Observed:
     elapsed_s: float  # until the last request finished
     offered_tokens: int
     stats: SchedulerStats
+    steps: int  # engine steps of the run
+    adapter_loads: int  # adapter copies to the device
 
 
 RunAt = Callable[[str, float], Observed]  # (scheduler, rps) -> its run
@@ -371,8 +376,9 @@ def unloaded_mean(core: EngineCore, requests: list[TraceRequest], ids: dict[str,
 
 def observe(core: EngineCore, log: ReplayLog, trace: Trace) -> Observed:
     results = [result_of(r, log.origin, r.adapter.name if r.adapter else None) for r in log.requests]
+    engine = core.stats()
     return Observed(log.requests, results, trace_duration(trace), log.end - log.origin, offered_tokens(trace),
-                    core.scheduler_stats())
+                    core.scheduler_stats(), engine.steps_total, engine.adapter_loads_total)
 
 
 def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> RunResult:
@@ -399,7 +405,9 @@ def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> R
         *wait_and_small_p99(requests), admission_limits=dict(limits),
         idle=sum((s.idle for s in stats), IdleCapacity()),
         idle_admissions=sum(s.num_idle_admissions for s in stats),
-        ttft_p99_over_time_s=p99_over_time(runs), rounds=len(runs))
+        ttft_p99_over_time_s=p99_over_time(runs), rounds=len(runs), steps=sum(run.steps for run in runs),
+        step_ms=1e3 * sum(run.elapsed_s for run in runs) / max(1, sum(run.steps for run in runs)),
+        adapter_loads=sum(run.adapter_loads for run in runs))
 
 
 def p99_over_time(runs: list[Observed], windows: int = 5) -> list[float | None]:
@@ -837,13 +845,14 @@ def print_rounds(block: Block) -> None:
     print(f"\n== {block.side}, {workload}, memory_policy={block.memory_policy}: each round (ABBA order) against "
           "FIFO's of the same round")
     print(f"{'round':>5}{'load':>6} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}  idle steps/seats/tokens")
+          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'loads':>6}  idle steps/seats/tokens")
     for r in sorted(block.rounds, key=lambda r: (r.load, r.round, r.scheduler != BASELINE)):
         print(f"{r.round + 1:>5}{r.load:>6.2f} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
               f"{_num(r.throughput_vs_fifo, '.3f'):>8}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
               f"{_num(r.p99_ttft_vs_fifo, '.2f'):>8}{_ms(r.small_ttft_p99_s):>10}{_num(r.small_p99_vs_fifo, '.2f'):>8}"
-              f"  {_idle(r)}")
-    print("(times in ms; pooled over the rounds: the block's table above)")
+              f"{r.steps:>7}{r.step_ms:>8.1f}{r.adapter_loads:>6}  {_idle(r)}")
+    print("(times in ms; step ms: the run's time over its steps; loads: adapter copies; pooled over the rounds: "
+          "the block's table above)")
 
 
 def _idle(r: RunResult) -> str:
