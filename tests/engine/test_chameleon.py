@@ -147,6 +147,22 @@ def test_a_head_waiting_longer_than_max_wait_borrows_what_nobody_holds(max_wait_
     assert sched._held_total == 0
 
 
+@pytest.mark.parametrize("max_wait_s", [0.0, 1.0])
+def test_past_the_aging_limit_requests_go_in_arrival_order_whatever_their_queue(max_wait_s):
+    core, _, clock = make_core(options={**STATIC, "max_wait_s": max_wait_s}, max_num_seqs=1)
+    core.scheduler.configure([0.01], quota_tokens=[500, 500], quota_seats=[1, 1])
+    s0, l0 = add(core, small(0), large(0))
+    core.step()
+    assert is_running(s0) and not is_running(l0)  # smallest queue first: the one seat
+    clock.advance(1.5)
+    s1 = add(core, small(1))[0]  # not aged: it has just arrived
+    while not s0.is_finished:
+        core.step()
+    core.step()
+    assert is_running(l0) == bool(max_wait_s) and is_running(s1) == (not max_wait_s)
+    drain(core, clock)
+
+
 def test_without_max_wait_a_head_ages_at_aging_factor_times_the_recent_mean_wait():
     core, _, clock = make_core(options={**STATIC, "aging_factor": 3.0, "slo_s": 10.0})
     sched = core.scheduler

@@ -7,7 +7,8 @@ equivalents), and joins the size queue its WRS falls in. Every step, after the r
 0. Queue heads that wait only for adapter memory, and now fit, go first (the holder, see below,
    then oldest first). If one cannot get memory but releasing the younger requests that bypassed
    it would give it some, those are squashed (stopped, their KV dropped, re-queued in arrival
-   order) and the head starts.
+   order) and the head starts. Then every request that has waited past the aging limit, whatever
+   its queue, in arrival order (beyond the paper, `_serve_aged`).
 1. Phase 1, smallest queue first: each queue admits in arrival order while its quota has room,
    stopping at the first request that does not fit. A queue left empty lends what it did not use.
 2. Phase 2, smallest queue first: the lent spare admits more, again stopping at a misfit.
@@ -50,7 +51,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, takewhile
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory.device_memory import DeviceMemory
@@ -127,10 +128,6 @@ class _Entry:
     charged_to: int = UNCHARGED
     charge: int = 0
     admitted_at: float = 0.0
-
-
-def now_waited(entry: _Entry, now: float) -> float:
-    return now - entry.request.arrival_time
 
 
 @dataclass(eq=False)
@@ -288,9 +285,10 @@ class ChameleonScheduler(BatchScheduler):
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         step = _Step(budget)
         self._serve_blocked_heads(out, step)
+        aged = self._aged_queues()
+        self._serve_aged(out, step)
         starved, self._starved = self._starved, set()
         k = len(self.queues)
-        aged = self._aged_queues()
         first = aged + [q for q in sorted(starved) if q not in aged]
         order = first + [q for q in range(k) if q not in first]
         served: set[int] = set()
@@ -301,8 +299,6 @@ class ChameleonScheduler(BatchScheduler):
             avail_tokens = self.quota_tokens[q] - self.held_tokens[q]
             avail_seats = self.quota_seats[q] - self.held_seats[q]
             used_tokens, used_seats = self._put(q, avail_tokens, avail_seats, q, out, step)
-            if q in aged and not step.stopped:
-                used_seats += self._put_aged(q, out, step)
             if used_seats or not step.stopped:
                 served.add(q)
             if step.stopped:
@@ -365,9 +361,8 @@ class ChameleonScheduler(BatchScheduler):
         return cap if self._recent_wait is None else min(cap, options.aging_factor * self._recent_wait)
 
     def _aged_queues(self) -> list[int]:
-        """Queues whose head has waited longer than `max_wait_s`, oldest head first: they are served
-        before the smaller queues, so a steady stream of small requests cannot hold a large one back
-        for longer than that (the tail the size order alone would stretch)."""
+        """Queues whose head has waited longer than `max_wait_s`, oldest head first: they go first in
+        phase 1 (after the aged requests themselves, `_serve_aged`)."""
         limit = self.max_wait_s()
         if limit <= 0:
             return []
@@ -376,15 +371,45 @@ class ChameleonScheduler(BatchScheduler):
                  if queue and now - queue[0].request.arrival_time > limit]
         return [q for _, q in sorted(heads)]
 
-    def _put_aged(self, q: int, out: SchedulerOutput, step: _Step) -> int:
-        """An aged queue whose quota is used up borrows what nobody holds (charged to the spare, so
-        the pool is never over-lent); returns the seats it took."""
-        queue = self.queues[q]
-        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s():
-            return 0
-        free_tokens = self.token_pool - self._held_total
-        free_seats = self.config.max_num_seqs - len(self.running)
-        return self._put(q, free_tokens, free_seats, SPARE, out, step)[1]
+    def _serve_aged(self, out: SchedulerOutput, step: _Step) -> None:
+        """Every request that has waited longer than `max_wait_s`, whatever its queue, in arrival
+        order, before the size classes: within its queue's quota, else on what nobody holds (charged
+        to the spare, so the pool is never over-lent), else, work-conserving, on no quota. So past
+        the aging limit the order is FIFO's, whose waiting-time tail no size order beats: a steady
+        stream of small requests cannot hold a large one back for longer than that. A request whose
+        adapter is not ready is passed over for the step, as FIFO does; one refused KV pages ends
+        the pass; a queue head that cannot get adapter memory is blocked, as in `_put`."""
+        limit = self.max_wait_s()
+        if limit <= 0:
+            return
+        since = self.clock.now() - limit
+        aged = sorted(((e, q) for q, queue in enumerate(self.queues)
+                       for e in takewhile(lambda e: e.request.arrival_time < since, queue)), key=lambda eq: eq[0].seq)
+        for entry, q in aged:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                step.stopped = True
+                return
+            charge = self._charge(entry, q)
+            if self._held_total + charge > self.token_pool:
+                where = IDLE if self.options.work_conserving else None
+            elif self.held_tokens[q] + charge > self.quota_tokens[q] or self.held_seats[q] + 1 > self.quota_seats[q]:
+                where = SPARE
+            else:
+                where = q
+            if where is None:
+                return
+            admit = self._admit_entry(entry, q, out, step)
+            if admit is Admit.OK:
+                self.queues[q].remove(entry)
+                self._borrow(entry, where, 0 if where == IDLE else charge)
+                self.num_idle_admissions += where == IDLE
+                if q in self._blocked and self._blocked[q].entry is entry:
+                    self._unblock(q)
+            elif admit is Admit.NO_KV:
+                step.stopped = True
+                return
+            elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
+                self._block(q, entry)  # a head without adapter memory: it may come to hold a reservation
 
     def _put(self, q: int, avail_tokens: int, avail_seats: int, where: int, out: SchedulerOutput,
              step: _Step) -> tuple[int, int]:
@@ -577,6 +602,8 @@ class ChameleonScheduler(BatchScheduler):
             elif admit is Admit.NO_KV:
                 step.stopped = True
                 return
+            elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
+                self._block(q, entry)  # a head without adapter memory: it may come to hold a reservation
 
     def _squash(self, victims: list[Request], out: SchedulerOutput, step: _Step) -> None:
         """Stop running bypassers so the head they passed can start; their chunks leave this step."""
