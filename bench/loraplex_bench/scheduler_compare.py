@@ -30,8 +30,14 @@ load run).
 `GENERATED`, from the workload generator), each with its own FIFO saturation and SLO, on both sides.
 Every run also reports the P99 of arrival-to-admission (the part of TTFT an admission order decides),
 the P99 TTFT of the requests below the median size, the P99 TTFT per fifth of the arrival window
-(the paper's Fig. 15) and the scheduler's `admission_limits` (what ended admission on the steps that
-left requests waiting); a last table gives every run's ratios to FIFO at the same load.
+(the paper's Fig. 15), the scheduler's `admission_limits` (what ended admission on the steps that
+left requests waiting) and its idle capacity (`SchedulerStats.idle`: steps that ended with a free seat
+and unused budget while a waiting request fitted, and why it was held); a last table gives every
+run's ratios to FIFO at the same load, throughput included.
+
+On the engine, `--engine-repeats N` runs every scheduler N times at each load in ABBA order
+(`loraplex_bench.rounds`): each round is reported against FIFO's of the same round, and the block's
+rows pool the rounds (percentiles over all their requests, tokens over their summed time).
 
 This module is the twin side, the arguments, the tables and the JSON; the real engine side is
 `loraplex_bench.scheduler_engine` (torch), imported when run.
@@ -44,6 +50,7 @@ import hashlib
 import json
 import math
 import sys
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
@@ -141,6 +148,7 @@ class RunResult:
     ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
     steps: int = 0  # engine steps
     step_ms: float = 0.0  # mean wall (engine) or simulated (twin) time of a step
+    execute_ms: float = 0.0  # of which in the executor, wall time (engine; the rest is the scheduler's and the driver's)
     adapter_loads: int = 0
     round: int | None = None  # of --engine-repeats (None: every round pooled, or the only run)
     rounds: int = 1  # runs pooled into this one
@@ -194,6 +202,7 @@ class Observed:
     stats: SchedulerStats
     steps: int  # engine steps of the run
     adapter_loads: int  # adapter copies to the device
+    execute_s: float  # wall seconds in the executor (the rest of a step is the scheduler's and the driver's)
 
 
 RunAt = Callable[[str, float], Observed]  # (scheduler, rps) -> its run
@@ -286,9 +295,12 @@ class StopAtLength:
         self.inner = inner
         self.stop = SampledToken(stop_id)
         self.targets: dict[str, int] = {}
+        self.seconds = 0.0  # wall time inside the inner executor: a step's time less the scheduler's
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
+        start = time.perf_counter()
         result = self.inner.execute(output)
+        self.seconds += time.perf_counter() - start
         targets, sampled = self.targets, result.sampled
         for chunk in output.chunks:
             if chunk.sample and chunk.num_output_tokens + 1 >= targets.get(chunk.request_id, sys.maxsize):
@@ -377,8 +389,10 @@ def unloaded_mean(core: EngineCore, requests: list[TraceRequest], ids: dict[str,
 def observe(core: EngineCore, log: ReplayLog, trace: Trace) -> Observed:
     results = [result_of(r, log.origin, r.adapter.name if r.adapter else None) for r in log.requests]
     engine = core.stats()
+    executor = core.executor
     return Observed(log.requests, results, trace_duration(trace), log.end - log.origin, offered_tokens(trace),
-                    core.scheduler_stats(), engine.steps_total, engine.adapter_loads_total)
+                    core.scheduler_stats(), engine.steps_total, engine.adapter_loads_total,
+                    executor.seconds if isinstance(executor, StopAtLength) else 0.0)
 
 
 def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> RunResult:
@@ -407,7 +421,8 @@ def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> R
         idle_admissions=sum(s.num_idle_admissions for s in stats),
         ttft_p99_over_time_s=p99_over_time(runs), rounds=len(runs), steps=sum(run.steps for run in runs),
         step_ms=1e3 * sum(run.elapsed_s for run in runs) / max(1, sum(run.steps for run in runs)),
-        adapter_loads=sum(run.adapter_loads for run in runs))
+        adapter_loads=sum(run.adapter_loads for run in runs),
+        execute_ms=1e3 * sum(run.execute_s for run in runs) / max(1, sum(run.steps for run in runs)))
 
 
 def p99_over_time(runs: list[Observed], windows: int = 5) -> list[float | None]:
@@ -845,14 +860,14 @@ def print_rounds(block: Block) -> None:
     print(f"\n== {block.side}, {workload}, memory_policy={block.memory_policy}: each round (ABBA order) against "
           "FIFO's of the same round")
     print(f"{'round':>5}{'load':>6} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'loads':>6}  idle steps/seats/tokens")
+          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'loads':>6}  idle steps/seats/tokens")
     for r in sorted(block.rounds, key=lambda r: (r.load, r.round, r.scheduler != BASELINE)):
         print(f"{r.round + 1:>5}{r.load:>6.2f} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
               f"{_num(r.throughput_vs_fifo, '.3f'):>8}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
               f"{_num(r.p99_ttft_vs_fifo, '.2f'):>8}{_ms(r.small_ttft_p99_s):>10}{_num(r.small_p99_vs_fifo, '.2f'):>8}"
-              f"{r.steps:>7}{r.step_ms:>8.1f}{r.adapter_loads:>6}  {_idle(r)}")
-    print("(times in ms; step ms: the run's time over its steps; loads: adapter copies; pooled over the rounds: "
-          "the block's table above)")
+              f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.adapter_loads:>6}  {_idle(r)}")
+    print("(times in ms; step ms: the run's time over its steps, exec ms: of which in the executor; loads: adapter "
+          "copies; pooled over the rounds: the block's table above)")
 
 
 def _idle(r: RunResult) -> str:
