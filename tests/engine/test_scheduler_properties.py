@@ -135,7 +135,9 @@ def test_no_request_waits_forever_under_a_stream_of_short_ones(name, long_at, pe
        st.integers(1, 2), st.integers(2, 8))
 def test_chameleon_starves_no_adapter_when_slots_are_scarce(long_at, per_step, short_adapters, slots, seqs):
     """With fewer slots than adapters FIFO can pass over a cold adapter forever (a hot adapter
-    always holds the slot); chameleon's blocked head reserves the memory that frees first."""
-    finished_at, steps = run_stream("chameleon", {"min_samples": 16, "refresh_s": 2.0}, long_at, per_step * 4,
+    always holds the slot); chameleon's blocked head reserves the memory that frees first. The
+    streams here can outrun the engine: past the aging limit the requests that arrived before the
+    long one go first (arrival order), so it may finish only after that backlog (up to ~170 steps)."""
+    finished_at, steps = run_stream("chameleon", {"min_samples": 16, "refresh_s": 2.0}, long_at, per_step * 8,
                                     short_adapters, "e", max_num_seqs=seqs, max_loras=slots, num_blocks=512)
     assert finished_at is not None, f"the long request never finished in {steps} steps"
