@@ -45,6 +45,7 @@ from loraplex.sim.sessions import SessionWorkload, make_sessions
 from loraplex.spec.errors import CommandError
 from loraplex_bench.output import stage
 from loraplex_bench.prefix_routing import Row, Side, routing_options, workload_spec
+from loraplex_bench.rounds import abba
 
 REPLY_WORDS = 300  # whole-word tokens an answer is biased to (OpenAI's cap on logit_bias entries)
 
@@ -84,11 +85,10 @@ def run_engine(args: argparse.Namespace, routings: list[str], kinds: list[str]) 
                     warm_up(url, adapters, stage)
                 for kind in kinds:
                     samples: dict[str, list[Sample]] = {r: [] for r in routers}
-                    for round_ in range(args.engine_repeats):
-                        for routing in routers if round_ % 2 == 0 else reversed(routers):
-                            stage(f"engine, {kind}, {routing}, round {round_ + 1} of {args.engine_repeats}")
-                            samples[routing].append(run_once(routers[routing], agents, workloads[kind], words,
-                                                             f"{kind} {routing} {round_}"))
+                    for round_, routing in abba(list(routers), args.engine_repeats):
+                        stage(f"engine, {kind}, {routing}, round {round_ + 1} of {args.engine_repeats}")
+                        samples[routing].append(run_once(routers[routing], agents, workloads[kind], words,
+                                                         f"{kind} {routing} {round_}"))
                     side.rows += [pooled(kind, routing, runs) for routing, runs in samples.items()]
             finally:
                 for child in extra:

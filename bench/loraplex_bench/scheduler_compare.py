@@ -30,8 +30,14 @@ load run).
 `GENERATED`, from the workload generator), each with its own FIFO saturation and SLO, on both sides.
 Every run also reports the P99 of arrival-to-admission (the part of TTFT an admission order decides),
 the P99 TTFT of the requests below the median size, the P99 TTFT per fifth of the arrival window
-(the paper's Fig. 15) and the scheduler's `admission_limits` (what ended admission on the steps that
-left requests waiting); a last table gives every run's ratios to FIFO at the same load.
+(the paper's Fig. 15), the scheduler's `admission_limits` (what ended admission on the steps that
+left requests waiting) and its idle capacity (`SchedulerStats.idle`: steps that ended with a free seat
+and unused budget while a waiting request fitted, and why it was held); a last table gives every
+run's ratios to FIFO at the same load, throughput included.
+
+On the engine, `--engine-repeats N` runs every scheduler N times at each load in ABBA order
+(`loraplex_bench.rounds`): each round is reported against FIFO's of the same round, and the block's
+rows pool the rounds (percentiles over all their requests, tokens over their summed time).
 
 This module is the twin side, the arguments, the tables and the JSON; the real engine side is
 `loraplex_bench.scheduler_engine` (torch), imported when run.
@@ -44,7 +50,8 @@ import hashlib
 import json
 import math
 import sys
-from collections import defaultdict
+import time
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
@@ -62,6 +69,7 @@ from loraplex.engine.messages import ExecutorResult, RequestOutput, SchedulerOut
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request, SampledToken
 from loraplex.engine.scheduling.schedulers import SCHEDULERS, make_scheduler, parse_scheduler_options
+from loraplex.engine.scheduling.stats import IdleCapacity, SchedulerStats
 from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.arrivals import Arrivals, arrival_times
 from loraplex.sim.capacity import saturation_rps
@@ -87,6 +95,7 @@ from loraplex.util.clock import ManualClock
 from loraplex_bench.memory_compare import add_memory_args
 from loraplex_bench.output import add_plots_arg, stage, write_bench_json
 from loraplex_bench.report import Series, group_points, plot_series, slug
+from loraplex_bench.rounds import abba
 
 BASELINE = "fifo"
 DEFAULT_SCHEDULERS = ("chameleon", "fifo", "sjf", "vtc")
@@ -134,11 +143,20 @@ class RunResult:
     wait_p99_s: float | None = None  # arrival to admission: the part of TTFT an admission order decides
     small_ttft_p99_s: float | None = None  # of the requests below the median prompt + output length
     admission_limits: dict[str, int] = field(default_factory=dict)  # waiting steps by what ended admission
+    idle: IdleCapacity = field(default_factory=IdleCapacity)  # steps, seats, tokens idle while a request fitted
+    idle_admissions: int = 0  # chameleon: started on what its quotas left idle (work-conserving)
     ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
+    steps: int = 0  # engine steps
+    step_ms: float = 0.0  # mean wall (engine) or simulated (twin) time of a step
+    execute_ms: float = 0.0  # of which in the executor, wall time (engine; the rest is the scheduler's and the driver's)
+    adapter_loads: int = 0
+    round: int | None = None  # of --engine-repeats (None: every round pooled, or the only run)
+    rounds: int = 1  # runs pooled into this one
     p99_ttft_vs_fifo: float | None = None
     goodput_vs_fifo: float | None = None
     p50_ttft_vs_fifo: float | None = None
     small_p99_vs_fifo: float | None = None
+    throughput_vs_fifo: float | None = None
 
 
 @dataclass
@@ -167,11 +185,27 @@ class Block:
     slo_basis: str = "ttft"  # what the SLO multiplies: FIFO's unloaded mean TTFT, or E2E
     unloaded_mean_s: float = 0.0
     slo_ttft_s: float = 0.0
-    runs: list[RunResult] = field(default_factory=list)
+    runs: list[RunResult] = field(default_factory=list)  # per scheduler and load (rounds pooled)
+    rounds: list[RunResult] = field(default_factory=list)  # each round alone, when there are several
     slo_throughput: list[SloThroughput] = field(default_factory=list)
 
 
-RunAt = Callable[[str, float], RunResult]  # (scheduler, rps) -> its run, load not yet set
+@dataclass
+class Observed:
+    """What one run leaves to measure; `measure` pools one or more of them into a `RunResult`."""
+
+    requests: list[Request]
+    results: list[RequestResult]
+    duration_s: float  # the arrival window
+    elapsed_s: float  # until the last request finished
+    offered_tokens: int
+    stats: SchedulerStats
+    steps: int  # engine steps of the run
+    adapter_loads: int  # adapter copies to the device
+    execute_s: float  # wall seconds in the executor (the rest of a step is the scheduler's and the driver's)
+
+
+RunAt = Callable[[str, float], Observed]  # (scheduler, rps) -> its run
 
 
 # ---- the workload -----------------------------------------------------------------------------
@@ -261,9 +295,12 @@ class StopAtLength:
         self.inner = inner
         self.stop = SampledToken(stop_id)
         self.targets: dict[str, int] = {}
+        self.seconds = 0.0  # wall time inside the inner executor: a step's time less the scheduler's
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
+        start = time.perf_counter()
         result = self.inner.execute(output)
+        self.seconds += time.perf_counter() - start
         targets, sampled = self.targets, result.sampled
         for chunk in output.chunks:
             if chunk.sample and chunk.num_output_tokens + 1 >= targets.get(chunk.request_id, sys.maxsize):
@@ -349,30 +386,53 @@ def unloaded_mean(core: EngineCore, requests: list[TraceRequest], ids: dict[str,
 
 # ---- one run's numbers ----------------------------------------------------------------------------
 
-def measure(core: EngineCore, log: ReplayLog, trace: Trace, scheduler: str, rps: float, slo_s: float) -> RunResult:
+def observe(core: EngineCore, log: ReplayLog, trace: Trace) -> Observed:
     results = [result_of(r, log.origin, r.adapter.name if r.adapter else None) for r in log.requests]
-    summary = summarize(results, trace_duration(trace), log.end - log.origin, Slo(ttft_s=slo_s), offered_tokens(trace))
-    elapsed = max(summary.elapsed_s, summary.duration_s)
+    engine = core.stats()
+    executor = core.executor
+    return Observed(log.requests, results, trace_duration(trace), log.end - log.origin, offered_tokens(trace),
+                    core.scheduler_stats(), engine.steps_total, engine.adapter_loads_total,
+                    executor.seconds if isinstance(executor, StopAtLength) else 0.0)
+
+
+def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> RunResult:
+    """One run's numbers, or several runs' pooled: percentiles over all their requests, tokens over
+    their summed time, counters summed."""
+    results = [r for run in runs for r in run.results]
+    requests = [r for run in runs for r in run.requests]
+    duration = sum(run.duration_s for run in runs)
+    elapsed = sum(max(run.elapsed_s, run.duration_s) for run in runs)
+    summary = summarize(results, duration, elapsed, Slo(ttft_s=slo_s), sum(run.offered_tokens for run in runs))
     good = sum(r.prompt_len + r.generated for r in results if r.finished and r.ttft_s <= slo_s)
     jain, spread = fairness(results)
-    stats = core.scheduler_stats()
+    stats = [run.stats for run in runs]
+    errors = [s.predictor.mean_rel_error for s in stats if s.predictor]
+    limits: Counter[str] = Counter()
+    for s in stats:
+        limits.update(s.admission_limits)
     return RunResult(
-        scheduler, 0.0, rps, len(results), summary.finished, run_digest(log.requests),
+        scheduler, 0.0, rps, len(results), summary.finished, run_digest(requests),
         summary.ttft_s.get("p50"), summary.ttft_s.get("p99"), summary.tpot_s.get("p50"),
         summary.throughput_tokens_per_s, good / elapsed, summary.slo_attainment or 0.0, jain, spread,
-        stats.num_preemptions, stats.num_squashes, stats.num_bypasses,
-        stats.predictor.mean_rel_error if stats.predictor else None,
-        *wait_and_small_p99(log.requests), admission_limits=stats.admission_limits,
-        ttft_p99_over_time_s=p99_over_time(results, trace_duration(trace)))
+        sum(s.num_preemptions for s in stats), sum(s.num_squashes for s in stats), sum(s.num_bypasses for s in stats),
+        float(np.mean(errors)) if errors else None,
+        *wait_and_small_p99(requests), admission_limits=dict(limits),
+        idle=sum((s.idle for s in stats), IdleCapacity()),
+        idle_admissions=sum(s.num_idle_admissions for s in stats),
+        ttft_p99_over_time_s=p99_over_time(runs), rounds=len(runs), steps=sum(run.steps for run in runs),
+        step_ms=1e3 * sum(run.elapsed_s for run in runs) / max(1, sum(run.steps for run in runs)),
+        adapter_loads=sum(run.adapter_loads for run in runs),
+        execute_ms=1e3 * sum(run.execute_s for run in runs) / max(1, sum(run.steps for run in runs)))
 
 
-def p99_over_time(results: list[RequestResult], duration_s: float, windows: int = 5) -> list[float | None]:
-    """P99 TTFT of the requests arriving in each of `windows` equal parts of the arrival window (the
-    paper's Fig. 15: does the tail grow without bound?); a request not started counts as infinite."""
+def p99_over_time(runs: list[Observed], windows: int = 5) -> list[float | None]:
+    """P99 TTFT of the requests arriving in each of `windows` equal parts of their run's arrival window
+    (the paper's Fig. 15: does the tail grow without bound?); a request not started counts as infinite."""
     parts: list[list[float]] = [[] for _ in range(windows)]
-    for r in results:
-        i = min(windows - 1, int(r.arrival_s / duration_s * windows)) if duration_s > 0 else 0
-        parts[i].append(math.inf if r.ttft_s is None else r.ttft_s)
+    for run in runs:
+        for r in run.results:
+            i = min(windows - 1, int(r.arrival_s / run.duration_s * windows)) if run.duration_s > 0 else 0
+            parts[i].append(math.inf if r.ttft_s is None else r.ttft_s)
     return [float(np.percentile(p, 99)) if p else None for p in parts]
 
 
@@ -410,15 +470,25 @@ def run_digest(requests: list[Request]) -> str:
 
 # ---- the sweep, shared by both sides ----------------------------------------------------------------
 
-def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float], search: bool) -> None:
-    """Every scheduler at every load, the ratios to FIFO, and each one's throughput at the SLO."""
+def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float], search: bool,
+          repeats: int = 1) -> None:
+    """Every scheduler at every load (`repeats` rounds in ABBA order, each reported and then pooled),
+    the ratios to FIFO, and each one's throughput at the SLO."""
     for load in loads:
-        for name in schedulers:
-            block.runs.append(_at_load(block, run_at, name, load))
-    add_ratios(block)
+        observed: dict[str, list[Observed]] = defaultdict(list)
+        for round_, name in abba(schedulers, repeats):
+            tag = f", round {round_ + 1} of {repeats}" if repeats > 1 else ""
+            observed[name].append(_at_load(block, run_at, name, load, tag))
+            if repeats > 1:
+                block.rounds.append(_result(block, [observed[name][-1]], name, load, round_))
+        block.runs += [_result(block, observed[name], name, load) for name in schedulers]
+    add_ratios(block.runs)
+    for round_ in range(repeats if repeats > 1 else 0):
+        add_ratios([r for r in block.rounds if r.round == round_])
     for name in schedulers:
         grid = {r.load: r.ttft_p99_s for r in block.runs if r.scheduler == name}
-        p99_at = (lambda load, n=name: _at_load(block, run_at, n, load).ttft_p99_s) if search else None
+        p99_at = ((lambda load, n=name: _result(block, [_at_load(block, run_at, n, load)], n, load).ttft_p99_s)
+                  if search else None)
         block.slo_throughput.append(slo_throughput(name, grid, block.slo_ttft_s, block.saturation_rps, p99_at))
     base = next(k for k in block.slo_throughput if k.scheduler == BASELINE)
     for k in block.slo_throughput:  # a capped rate is a lower bound: no ratio of it means anything
@@ -426,22 +496,28 @@ def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float]
         k.vs_fifo = k.rps / base.rps if uncapped and base.rps else None
 
 
-def _at_load(block: Block, run_at: RunAt, scheduler: str, load: float) -> RunResult:
-    stage(f"{block.side} ({block.memory_policy}): {scheduler} at {load:.3g} x saturation ...")
-    result = run_at(scheduler, load * block.saturation_rps)
-    result.load = load
+def _at_load(block: Block, run_at: RunAt, scheduler: str, load: float, tag: str = "") -> Observed:
+    stage(f"{block.side} ({block.memory_policy}): {scheduler} at {load:.3g} x saturation{tag} ...")
+    return run_at(scheduler, load * block.saturation_rps)
+
+
+def _result(block: Block, runs: list[Observed], scheduler: str, load: float, round_: int | None = None) -> RunResult:
+    result = measure(runs, scheduler, load * block.saturation_rps, block.slo_ttft_s)
+    result.load, result.round = load, round_
     return result
 
 
-def add_ratios(block: Block) -> None:
-    fifo = {r.load: r for r in block.runs if r.scheduler == BASELINE}
-    for r in block.runs:
+def add_ratios(runs: list[RunResult]) -> None:
+    """Each run against FIFO's at the same load among `runs` (one round, or the pooled rows)."""
+    fifo = {r.load: r for r in runs if r.scheduler == BASELINE}
+    for r in runs:
         base = fifo.get(r.load)
         if base is not None:
             r.p99_ttft_vs_fifo = _ratio(r.ttft_p99_s, base.ttft_p99_s)
             r.goodput_vs_fifo = _ratio(r.goodput_tokens_per_s, base.goodput_tokens_per_s)
             r.p50_ttft_vs_fifo = _ratio(r.ttft_p50_s, base.ttft_p50_s)
             r.small_p99_vs_fifo = _ratio(r.small_ttft_p99_s, base.small_ttft_p99_s)
+            r.throughput_vs_fifo = _ratio(r.throughput_tokens_per_s, base.throughput_tokens_per_s)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -541,6 +617,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     e.add_argument("--engine-requests", type=int, default=150)
     e.add_argument("--engine-length-scale", type=float, default=0.25, help="multiply token counts")
     e.add_argument("--engine-unloaded-requests", type=int, default=20)
+    e.add_argument("--engine-repeats", type=int, default=1,
+                   help="rounds of every scheduler at each load, in ABBA order: each round is reported, then pooled")
     e.add_argument("--engine-saturation-rps", type=float, default=None,
                    help="FIFO's saturation rate (default: measured, requests/s of a burst of the trace)")
     e.add_argument("--engine-num-blocks", type=int, default=None,
@@ -626,7 +704,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-tokens must be context, exact or a positive integer, not {args.max_tokens!r}")
     positive = ("adapters", "requests", "saturation_rps", "unloaded_requests", "engine_requests", "engine_unloaded_requests",
                 "slo_factor", "length_scale", "engine_length_scale", "engine_max_num_seqs",
-                "engine_max_batched_tokens", "engine_saturation_rps", "engine_num_blocks", "emulate_h2d_gbps",
+                "engine_max_batched_tokens", "engine_saturation_rps", "engine_repeats", "engine_num_blocks", "emulate_h2d_gbps",
                 "threads", "max_loras")
     for name in positive:
         value = getattr(args, name)
@@ -669,7 +747,7 @@ def run_twin(args: argparse.Namespace) -> list[Block]:
                           baseline_policy=policy_of(args, policy, BASELINE))
             twin.calibrate(block, trace)
             loads = parse_list(args.loads, "--loads", float)
-            sweep(block, twin.run_at(trace, block.slo_ttft_s), schedulers_of(args), loads,
+            sweep(block, twin.run_at(trace), schedulers_of(args), loads,
                   args.slo_throughput == "search")
             blocks.append(block)
     return blocks
@@ -722,13 +800,13 @@ class TwinSide:
             block.saturation_rps = saturation_rps(self.profile, lambda rps: at_rate(trace, rps), self.config(BASELINE))
         block.saturation_method = "bisection: the highest rate whose window throughput is >= 90% of the offered"
 
-    def run_at(self, trace: Trace, slo_s: float) -> RunAt:
-        def run(scheduler: str, rps: float) -> RunResult:
+    def run_at(self, trace: Trace) -> RunAt:
+        def run(scheduler: str, rps: float) -> Observed:
             scaled = at_rate(trace, rps)
             core, jump, ids = self.engine(scheduler, scaled)
             with cyclic_gc_paused():
                 log = drive(core, scaled, ids, sim_prompt, jump, self.args.max_tokens, TWIN_STOP_ID)
-            return measure(core, log, scaled, scheduler, rps, slo_s)
+            return observe(core, log, scaled)
 
         return run
 
@@ -758,18 +836,47 @@ def print_block(block: Block) -> None:
 def print_ratios(blocks: list[Block]) -> None:
     """Every run against FIFO at the same load, one line each: the scheduler-only summary (issue 28)."""
     print("\n== ratios to FIFO at the same load (each block's own FIFO; < 1 is better)")
-    print(f"{'side':<7}{'workload':<23}{'memory':<12}{'load':>5} {'scheduler':<10}{'p99 TTFT':>9}{'p50 TTFT':>9}"
-          f"{'small p99':>10}{'wait p99 s':>11}  waiting steps by limit")
+    print(f"{'side':<7}{'workload':<23}{'memory':<12}{'load':>5} {'scheduler':<10}{'tok/s':>7}{'p99 TTFT':>9}"
+          f"{'p50 TTFT':>9}{'small p99':>10}{'wait p99 s':>11}  {'idle steps/seats/tokens':<24}waiting steps by limit")
     for block in blocks:
         workload = block.settings.get("workload", PAPER_WORKLOAD)
         for r in block.runs:
-            limits = " ".join(f"{k}={v}" for k, v in sorted(r.admission_limits.items(), key=lambda kv: -kv[1]))
             memory = block.baseline_policy if r.scheduler == BASELINE else block.memory_policy
             print(f"{block.side:<7}{workload:<23}{memory:<12}{r.load:>5.2f} {r.scheduler:<10}"
-                  f"{_num(r.p99_ttft_vs_fifo, '.2f'):>9}{_num(r.p50_ttft_vs_fifo, '.2f'):>9}"
-                  f"{_num(r.small_p99_vs_fifo, '.2f'):>10}{_num(r.wait_p99_s, '.3f'):>11}  {limits}")
-    print("(small p99: TTFT P99 of the requests below the median prompt + output; wait: arrival to admission; "
-          "limits: steps that left requests waiting, by what ended admission — budget, seats, kv, adapter, policy)")
+                  f"{_num(r.throughput_vs_fifo, '.3f'):>7}{_num(r.p99_ttft_vs_fifo, '.2f'):>9}"
+                  f"{_num(r.p50_ttft_vs_fifo, '.2f'):>9}{_num(r.small_p99_vs_fifo, '.2f'):>10}"
+                  f"{_num(r.wait_p99_s, '.3f'):>11}  {_idle(r):<24}{_counts(r.admission_limits)}")
+    print("(tok/s: throughput over FIFO's; small p99: TTFT P99 of the requests below the median prompt + output; "
+          "wait: arrival to admission; idle: steps ending with a free seat and unused budget while a waiting "
+          "request fitted, the seats and tokens left so, and why the scheduler held it; limits: steps that left "
+          "requests waiting, by what ended admission — budget, seats, kv, adapter, policy)")
+
+
+def print_rounds(block: Block) -> None:
+    """Each round of --engine-repeats alone, against FIFO of the same round (the pooled rows are above)."""
+    if not block.rounds:
+        return
+    workload = block.settings.get("workload", PAPER_WORKLOAD)
+    print(f"\n== {block.side}, {workload}, memory_policy={block.memory_policy}: each round (ABBA order) against "
+          "FIFO's of the same round")
+    print(f"{'round':>5}{'load':>6} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'loads':>6}  idle steps/seats/tokens")
+    for r in sorted(block.rounds, key=lambda r: (r.load, r.round, r.scheduler != BASELINE)):
+        print(f"{r.round + 1:>5}{r.load:>6.2f} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
+              f"{_num(r.throughput_vs_fifo, '.3f'):>8}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
+              f"{_num(r.p99_ttft_vs_fifo, '.2f'):>8}{_ms(r.small_ttft_p99_s):>10}{_num(r.small_p99_vs_fifo, '.2f'):>8}"
+              f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.adapter_loads:>6}  {_idle(r)}")
+    print("(times in ms; step ms: the run's time over its steps, exec ms: of which in the executor; loads: adapter "
+          "copies; pooled over the rounds: the block's table above)")
+
+
+def _idle(r: RunResult) -> str:
+    reasons = f" ({_counts(r.idle.reasons)})" if r.idle.reasons else ""
+    return f"{r.idle.steps}/{r.idle.seats}/{r.idle.tokens}{reasons}"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def print_over_time(blocks: list[Block]) -> None:
@@ -829,6 +936,7 @@ def run(args: argparse.Namespace) -> int:
         blocks += _engine_side()(args)
     for block in blocks:
         print_block(block)
+        print_rounds(block)
     print_ratios(blocks)
     print_over_time(blocks)
     if args.json:

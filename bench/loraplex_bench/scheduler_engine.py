@@ -18,9 +18,12 @@ Other work on the machine slows every run: compare runs of one invocation only.
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,7 @@ import torch
 from loraplex_agent.host_adapter import HostAdapter
 from loraplex_agent.model_config import ModelConfig
 
+from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.replay import WaitUntil
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId
@@ -39,11 +43,11 @@ from loraplex_bench.output import stage
 from loraplex_bench.scheduler_compare import (
     BASELINE,
     Block,
+    Observed,
     RunAt,
-    RunResult,
     at_rate,
     drive,
-    measure,
+    observe,
     parse_list,
     policy_of,
     scheduler_options,
@@ -93,8 +97,8 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
 def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[str, Any]) -> Block:
     block = Block("engine", policy, settings, baseline_policy=policy_of(side.args, policy, BASELINE))
     side.calibrate(block, trace)
-    sweep(block, side.run_at(trace, policy, block.slo_ttft_s), schedulers_of(side.args),
-          parse_list(side.args.loads, "--loads", float), search=False)
+    sweep(block, side.run_at(trace, policy), schedulers_of(side.args),
+          parse_list(side.args.loads, "--loads", float), search=False, repeats=side.args.engine_repeats)
     return block
 
 
@@ -133,6 +137,20 @@ class EngineSide:
         self.options = scheduler_options(args)
         self.hosts: dict[str, HostAdapter] = {}
 
+    @contextmanager
+    def engine(self, scheduler: str, policy: str) -> Iterator[tuple[LLM, dict[str, AdapterId]]]:
+        """A fresh engine for one run, closed after it; the garbage of earlier runs is collected before
+        it starts and Python's cyclic collector is paused inside, as in the twin. Otherwise an earlier
+        run's engine (its page pool, thousands of pages and requests in reference cycles) is traced and
+        freed by whichever later run the collector happens to interrupt."""
+        gc.collect()
+        llm, ids = self.llm(scheduler, policy)
+        try:
+            with cyclic_gc_paused():
+                yield llm, ids
+        finally:
+            llm.executor.close()
+
     def llm(self, scheduler: str, policy: str) -> tuple[LLM, dict[str, AdapterId]]:
         from loraplex_agent.llm import LLM
 
@@ -159,26 +177,26 @@ class EngineSide:
     def calibrate(self, block: Block, trace: Trace) -> None:
         """The SLO (from FIFO unloaded) and, unless given, FIFO's saturation rate."""
         baseline = policy_of(self.args, block.memory_policy, BASELINE)
-        llm, ids = self.llm(BASELINE, baseline)
-        head = trace.requests[:self.args.engine_unloaded_requests]
-        set_slo(block, llm.core, head, ids, self.prompt, self.args)
+        with self.engine(BASELINE, baseline) as (llm, ids):
+            set_slo(block, llm.core, trace.requests[:self.args.engine_unloaded_requests], ids, self.prompt, self.args)
         if self.args.engine_saturation_rps:
             block.saturation_rps, block.saturation_method = self.args.engine_saturation_rps, "given"
             return
         stage(f"engine ({block.memory_policy}): FIFO's saturation rate (a burst of the trace) ...")
         burst = Trace([replace(r, arrival_s=0.0) for r in trace.requests], dict(trace.workload))
-        llm, ids = self.llm(BASELINE, baseline)
-        log = drive(llm.core, burst, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens, self.vocab_size)
+        with self.engine(BASELINE, baseline) as (llm, ids):
+            log = drive(llm.core, burst, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens,
+                        self.vocab_size)
         block.saturation_rps = len(log.requests) / (log.end - log.origin)
         block.saturation_method = "requests/s of FIFO serving the whole trace at once"
 
-    def run_at(self, trace: Trace, policy: str, slo_s: float) -> RunAt:
-        def run_one(scheduler: str, rps: float) -> RunResult:
+    def run_at(self, trace: Trace, policy: str) -> RunAt:
+        def run_one(scheduler: str, rps: float) -> Observed:
             scaled = at_rate(trace, rps)
-            llm, ids = self.llm(scheduler, policy_of(self.args, policy, scheduler))
-            log = drive(llm.core, scaled, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens,
-                        self.vocab_size)
-            return measure(llm.core, log, scaled, scheduler, rps, slo_s)
+            with self.engine(scheduler, policy_of(self.args, policy, scheduler)) as (llm, ids):
+                log = drive(llm.core, scaled, ids, self.prompt, self._sleep_until(llm), self.args.max_tokens,
+                            self.vocab_size)
+                return observe(llm.core, log, scaled)
 
         return run_one
 

@@ -125,6 +125,7 @@ def test_slo_throughput_bisects_between_the_grid_loads() -> None:
     (["--memory-policy", "unified,huge"], "--memory-policy"),
     (["--max-lora-rank", "64"], "at most --max-lora-rank 64"),
     (["--requests", "0"], "--requests must be positive"),
+    (["--engine-repeats", "0"], "--engine-repeats must be positive"),
     (["--profile", "no-such-profile"], "not found"),
     (["--lengths", "azure23_conv", "--traces-dir", "/nonexistent"], "not found"),
 ])
@@ -140,11 +141,22 @@ def test_engine_side_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     out = tmp_path / "engine.json"
     assert main(["bench", "schedulers", "--side", "engine", "--adapters", "3", "--engine-requests", "8",
                  "--engine-unloaded-requests", "2", "--engine-length-scale", "0.03", "--lengths", "uniform",
-                 "--loads", "1", "--json", str(out)]) == 0
-    assert "scaled DOWN" in capsys.readouterr().out
+                 "--loads", "1", "--schedulers", "fifo,chameleon", "--engine-repeats", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "scaled DOWN" in printed and "each round (ABBA order)" in printed and "idle steps/seats/tokens" in printed
     [engine] = json.loads(out.read_text())["blocks"]
     assert engine["side"] == "engine" and engine["settings"]["emulated_h2d_gbps"] > 0
-    assert {r["scheduler"] for r in engine["runs"]} == SCHEDULERS
-    assert len({r["digest"] for r in engine["runs"]}) == 1
+    assert {r["scheduler"] for r in engine["runs"]} == {"fifo", "chameleon"}
+    assert all(r["rounds"] == 2 and r["round"] is None for r in engine["runs"])  # each row pools both rounds
+    rounds = engine["rounds"]
+    assert sorted((r["round"], r["scheduler"]) for r in rounds) == [(0, "chameleon"), (0, "fifo"),
+                                                                   (1, "chameleon"), (1, "fifo")]
+    assert all(r["throughput_vs_fifo"] == 1.0 for r in rounds if r["scheduler"] == "fifo")
+    assert all(r["idle"]["steps"] == 0 for r in rounds if r["scheduler"] == "chameleon")  # work-conserving
+    for pooled in engine["runs"]:
+        mine = [r for r in rounds if r["scheduler"] == pooled["scheduler"]]
+        assert pooled["requests"] == sum(r["requests"] for r in mine)
+        assert pooled["idle"]["steps"] == sum(r["idle"]["steps"] for r in mine)
+    assert len({r["digest"] for r in rounds}) == 1
     assert all(r["finished"] == r["requests"] > 0 for r in engine["runs"])
     assert all(k["method"] == "grid" for k in engine["slo_throughput"])

@@ -14,9 +14,10 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.memory.gate import PageGate
 from loraplex.engine.request import RequestStatus
-from loraplex.engine.scheduling.chameleon import SPARE, ChameleonOptions
+from loraplex.engine.scheduling.chameleon import IDLE, SPARE, ChameleonOptions
 
 STATIC = {"refresh_s": 1e9}  # no timer refresh during a test
+QUOTAS = {**STATIC, "work_conserving": False}  # the paper's quotas alone: what they admit, nothing more
 
 
 def small(i: int):
@@ -38,7 +39,7 @@ def add(core: EngineCore, *requests):
 
 
 def test_phase_one_admits_each_queue_within_its_quota_and_a_blocked_queue_lends_nothing():
-    core, _, _ = make_core(options=STATIC)
+    core, _, _ = make_core(options=QUOTAS)
     sched = core.scheduler
     sched.configure([0.01], quota_tokens=[16, 100])
     s0, s1, s2, l0, l1 = add(core, small(0), small(1), small(2), large(0), large(1))
@@ -51,7 +52,7 @@ def test_phase_one_admits_each_queue_within_its_quota_and_a_blocked_queue_lends_
 
 
 def test_phase_two_lends_the_spare_of_emptied_queues_and_a_large_head_can_stay_blocked():
-    core, _, _ = make_core(options=STATIC)
+    core, _, _ = make_core(options=QUOTAS)
     sched = core.scheduler
     sched.configure([0.003, 0.01], quota_tokens=[40, 16, 150])
     add(core, large(0))
@@ -69,8 +70,53 @@ def test_phase_two_lends_the_spare_of_emptied_queues_and_a_large_head_can_stay_b
     assert sched.stats().spare_held_tokens == 0 and sched._held_total == 0
 
 
+def test_capacity_the_quotas_leave_idle_goes_to_a_fitting_request_of_a_quota_bound_queue():
+    """Queue 1's quota holds one large request and queue 0 never empties, so nothing is lent: with the
+    quotas alone L1 waits while seats and budget sit idle (counted); work-conserving, it starts on them."""
+    for work_conserving in (False, True):
+        core, _, _ = make_core(options={**STATIC, "work_conserving": work_conserving})
+        sched = core.scheduler
+        sched.configure([0.01], quota_tokens=[16, 100])
+        _, _, s2, l0, l1 = add(core, small(0), small(1), small(2), large(0), large(1))
+        core.step()
+        idle = sched.stats().idle
+        assert is_running(l0)
+        assert is_running(l1) == is_running(s2) == work_conserving
+        if work_conserving:
+            assert sched._entries["L1"].charged_to == IDLE and sched.held_tokens == [16, 80]  # it borrows no quota
+            assert idle.steps == 0 and sched.stats().num_idle_admissions == 2
+        else:
+            assert (idle.steps, idle.reasons) == (1, {"quota": 1})
+            assert idle.seats == core.config.max_num_seqs - 3 and idle.tokens > 0
+        drain(core, core.clock)
+        assert sched._held_total == 0 and sum(sched.held_seats) == 0
+
+
+def test_the_fill_goes_past_a_request_refused_for_kv_to_a_smaller_one():
+    core, _, _ = make_core(options=STATIC, num_blocks=24, max_model_len=96, max_num_batched_tokens=64)
+    sched = core.scheduler
+    sched.configure([0.01], quota_tokens=[1, 1])  # the quotas admit nothing: only the fill does
+    running = add(core, req("big0", 40, 40))[0]
+    core.step()
+    big, tiny = add(core, req("big1", 60, 4), req("tiny", 4, 4))  # 15 pages for big1's chunk, 14 are free
+    core.step()
+    assert is_running(running) and is_running(tiny) and not is_running(big)
+    assert sched.stats().idle.steps == 0
+    drain(core, core.clock)
+
+
+def test_fifo_counts_the_idle_capacity_behind_a_head_refused_for_kv():
+    core, _, _ = make_core("fifo", num_blocks=24, max_model_len=96, max_num_batched_tokens=64)
+    add(core, req("big0", 40, 40))
+    core.step()
+    add(core, req("big1", 60, 4), req("tiny", 4, 4))
+    core.step()
+    idle = core.scheduler.stats().idle
+    assert idle.steps == 1 and idle.reasons == {"order": 1} and idle.seats == core.config.max_num_seqs - 1
+
+
 def test_a_request_larger_than_its_quota_runs_alone_in_its_queue():
-    core, _, _ = make_core(options=STATIC)
+    core, _, _ = make_core(options=QUOTAS)
     sched = core.scheduler
     sched.configure([0.01], quota_tokens=[8, 50])  # queue 0 will have no spare to lend
     s0, l0, l1 = add(core, small(0), large(0), large(1))
@@ -83,7 +129,7 @@ def test_a_request_larger_than_its_quota_runs_alone_in_its_queue():
 
 @pytest.mark.parametrize("max_wait_s", [0.0, 1.0])
 def test_a_head_waiting_longer_than_max_wait_borrows_what_nobody_holds(max_wait_s):
-    core, _, clock = make_core(options={**STATIC, "max_wait_s": max_wait_s})
+    core, _, clock = make_core(options={**QUOTAS, "max_wait_s": max_wait_s})
     sched = core.scheduler
     sched.configure([0.01], quota_tokens=[16, 100])
     _, l0, l1 = add(core, small(0), large(0), large(1))
@@ -99,6 +145,22 @@ def test_a_head_waiting_longer_than_max_wait_borrows_what_nobody_holds(max_wait_
         assert not is_running(l1)
     drain(core, clock)
     assert sched._held_total == 0
+
+
+@pytest.mark.parametrize("max_wait_s", [0.0, 1.0])
+def test_past_the_aging_limit_requests_go_in_arrival_order_whatever_their_queue(max_wait_s):
+    core, _, clock = make_core(options={**STATIC, "max_wait_s": max_wait_s}, max_num_seqs=1)
+    core.scheduler.configure([0.01], quota_tokens=[500, 500], quota_seats=[1, 1])
+    s0, l0 = add(core, small(0), large(0))
+    core.step()
+    assert is_running(s0) and not is_running(l0)  # smallest queue first: the one seat
+    clock.advance(1.5)
+    s1 = add(core, small(1))[0]  # not aged: it has just arrived
+    while not s0.is_finished:
+        core.step()
+    core.step()
+    assert is_running(l0) == bool(max_wait_s) and is_running(s1) == (not max_wait_s)
+    drain(core, clock)
 
 
 def test_without_max_wait_a_head_ages_at_aging_factor_times_the_recent_mean_wait():
@@ -118,7 +180,7 @@ def test_without_max_wait_a_head_ages_at_aging_factor_times_the_recent_mean_wait
 
 
 def test_seats_are_split_so_no_queue_takes_them_all():
-    core, _, _ = make_core(options=STATIC, max_num_seqs=4)
+    core, _, _ = make_core(options=QUOTAS, max_num_seqs=4)
     sched = core.scheduler
     sched.configure([0.01], quota_tokens=[500, 500], quota_seats=[3, 1])
     add(core, *(small(i) for i in range(6)), large(0))
@@ -128,7 +190,7 @@ def test_seats_are_split_so_no_queue_takes_them_all():
 
 def bypass_setup(**options):
     """Two slots: a's running request ends in ~40 steps, c's in ~60. r1 (adapter b) cannot get a slot."""
-    core, _, clock = make_core(options={**STATIC, **options}, max_loras=2)
+    core, _, clock = make_core(options={**QUOTAS, **options}, max_loras=2)
     core.scheduler.configure([], quota_tokens=[1024])
     la, lc = add(core, req("la", 4, 40, "a"), req("lc", 4, 60, "c"))
     core.step()
@@ -160,7 +222,7 @@ def test_younger_requests_of_resident_adapters_bypass_a_head_without_adapter_mem
 
 
 def test_with_shared_memory_only_requests_ending_before_the_heads_memory_frees_bypass():
-    core, _, clock = make_core(options=STATIC, max_loras=2)
+    core, _, clock = make_core(options=QUOTAS, max_loras=2)
     sched = core.scheduler
     sched.gate = SharedMemoryGate(core.memory)
     sched.configure([], quota_tokens=[1024])
@@ -176,7 +238,7 @@ def test_with_shared_memory_only_requests_ending_before_the_heads_memory_frees_b
 
 @pytest.mark.parametrize(("quota", "bypasses"), [(159, False), (160, True)])
 def test_a_bypass_leaves_room_in_the_quota_for_the_head(quota, bypasses):
-    core, _, _ = make_core(options=STATIC, max_loras=2)
+    core, _, _ = make_core(options=QUOTAS, max_loras=2)
     sched = core.scheduler
     sched.configure([], quota_tokens=[quota])
     add(core, req("la", 4, 4, "a"), req("lc", 4, 4, "c"))  # 40 + 72 tokens (rank 8 and 16 at 4 a rank)
@@ -294,7 +356,7 @@ def test_a_marked_load_shift_refreshes_early():
 
 
 def test_a_refresh_moves_waiting_requests_to_their_new_queue_in_arrival_order():
-    core, _, _ = make_core(options=STATIC)
+    core, _, _ = make_core(options=QUOTAS)
     sched = core.scheduler
     sched.configure([0.01], quota_tokens=[1, 1])  # almost nothing runs
     requests = add(core, large(0), small(0), medium(0), large(1), small(1), medium(1))

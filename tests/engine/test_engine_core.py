@@ -83,7 +83,9 @@ def test_memory_pressure_preempts_and_recomputes(scheduler):
 
 
 def test_chameleon_quotas_avoid_memory_preemption_when_predictions_hold():
-    core, _ = make_engine(num_blocks=64, max_model_len=200, scheduler="chameleon")
+    # the quotas alone: the work-conserving fill, as FIFO, admits whatever fits its first chunk
+    core, _ = make_engine(num_blocks=64, max_model_len=200, scheduler="chameleon",
+                          scheduler_options={"work_conserving": False})
     run_all(core, make_requests(10, max_tokens=40))  # predicted: min(max_tokens, 128) = 40, exact
     assert core.stats().num_preemptions == 0
 

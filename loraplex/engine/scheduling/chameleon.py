@@ -7,10 +7,15 @@ equivalents), and joins the size queue its WRS falls in. Every step, after the r
 0. Queue heads that wait only for adapter memory, and now fit, go first (the holder, see below,
    then oldest first). If one cannot get memory but releasing the younger requests that bypassed
    it would give it some, those are squashed (stopped, their KV dropped, re-queued in arrival
-   order) and the head starts.
+   order) and the head starts. Then every request that has waited past the aging limit, whatever
+   its queue, in arrival order (beyond the paper, `_serve_aged`).
 1. Phase 1, smallest queue first: each queue admits in arrival order while its quota has room,
    stopping at the first request that does not fit. A queue left empty lends what it did not use.
 2. Phase 2, smallest queue first: the lent spare admits more, again stopping at a misfit.
+3. Fill (beyond the paper; `work_conserving`, on by default): whatever seats and budget the quotas
+   left goes to any waiting request that fits, queues in the step's order, each in arrival order,
+   past misfits and blocked heads; such a request borrows no quota. With the quotas alone a
+   queue at its quota waits while seats and budget sit idle whenever another queue is not empty.
 
 A request borrows min(need, its queue's quota) tokens and one seat at admission and returns them
 when it finishes (or is preempted). Quotas come from the M/M/1 floor (`quotas`); seats, the
@@ -46,7 +51,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, takewhile
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory.device_memory import DeviceMemory
@@ -65,6 +70,7 @@ from loraplex.util.clock import Clock
 
 SPARE = -1  # `_Entry.charged_to` of a request admitted on the spare of emptied queues (or by an aged head)
 UNCHARGED = -2  # waiting: holds nothing
+IDLE = -3  # admitted on capacity the quotas left idle this step (work-conserving fill): holds no quota
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,9 @@ class ChameleonOptions:
     # (None: aging_factor x the recent mean wait, at most half of slo_s; 0: off, the paper's order alone)
     max_wait_s: float | None = None
     aging_factor: float = 1.0
+    # after the quotas, any waiting request that fits takes what the step left idle (False: the paper's
+    # quotas alone, which leave seats and budget idle while a quota-bound queue waits)
+    work_conserving: bool = True
 
     def __post_init__(self) -> None:
         for name in ("refresh_s", "shift_window_s", "slo_s", "default_service_s", "elbow_gain"):
@@ -121,10 +130,6 @@ class _Entry:
     admitted_at: float = 0.0
 
 
-def now_waited(entry: _Entry, now: float) -> float:
-    return now - entry.request.arrival_time
-
-
 @dataclass(eq=False)
 class _Blocked:
     """A queue head that fits its quota but whose adapter cannot get memory."""
@@ -141,6 +146,7 @@ class _Blocked:
 class _Step:
     budget: int
     stopped: bool = False  # a global limit (budget, seats, KV) ended admission for this step
+    kv_refused: float = math.inf  # the smallest first chunk (tokens) refused for KV pages this step
 
 
 class ChameleonScheduler(BatchScheduler):
@@ -170,7 +176,7 @@ class ChameleonScheduler(BatchScheduler):
         self._holder: _Blocked | None = None  # the blocked head that memory is reserved for
         self._starved: set[int] = set()
         self._spare_tokens = self._spare_seats = self._held_total = 0
-        self.num_squashes = self.num_bypasses = self.num_refreshes = 0
+        self.num_squashes = self.num_bypasses = self.num_refreshes = self.num_idle_admissions = 0
         self.overloaded = False
         # timers start at the first step, on whatever clock the scheduler has then (a profiler swaps it)
         self._next_refresh: float | None = None
@@ -236,6 +242,8 @@ class ChameleonScheduler(BatchScheduler):
 
     def _borrow(self, entry: _Entry, where: int, charge: int) -> None:
         entry.charged_to, entry.charge = where, charge
+        if where == IDLE:
+            return
         if where == SPARE:
             self._spare_tokens += charge
             self._spare_seats += 1
@@ -246,7 +254,8 @@ class ChameleonScheduler(BatchScheduler):
 
     def _give_back(self, entry: _Entry) -> None:
         where = entry.charged_to
-        if where == UNCHARGED:
+        if where in (UNCHARGED, IDLE):
+            entry.charged_to, entry.charge = UNCHARGED, 0
             return
         if where == SPARE:
             self._spare_tokens -= entry.charge
@@ -276,9 +285,10 @@ class ChameleonScheduler(BatchScheduler):
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         step = _Step(budget)
         self._serve_blocked_heads(out, step)
+        aged = self._aged_queues()
+        self._serve_aged(out, step)
         starved, self._starved = self._starved, set()
         k = len(self.queues)
-        aged = self._aged_queues()
         first = aged + [q for q in sorted(starved) if q not in aged]
         order = first + [q for q in range(k) if q not in first]
         served: set[int] = set()
@@ -289,8 +299,6 @@ class ChameleonScheduler(BatchScheduler):
             avail_tokens = self.quota_tokens[q] - self.held_tokens[q]
             avail_seats = self.quota_seats[q] - self.held_seats[q]
             used_tokens, used_seats = self._put(q, avail_tokens, avail_seats, q, out, step)
-            if q in aged and not step.stopped:
-                used_seats += self._put_aged(q, out, step)
             if used_seats or not step.stopped:
                 served.add(q)
             if step.stopped:
@@ -313,6 +321,34 @@ class ChameleonScheduler(BatchScheduler):
             spare_seats -= used_seats
         if step.stopped:
             self._starved = {q for q in range(k) if q not in served and self.queues[q]}
+        if self.options.work_conserving:
+            self._fill(order, out, step)
+
+    def _fill(self, order: list[int], out: SchedulerOutput, step: _Step) -> None:
+        """Work conservation: what the quotas left of the step's seats and budget goes to any waiting
+        request that fits, queues in this step's order, each in arrival order, past blocked heads
+        (the holder's reservation still stands). A request refused for KV pages does not end the
+        pass: only first chunks at least as large are skipped after it. These requests borrow no
+        quota (`IDLE`): the quotas keep ordering the steps to come."""
+        max_seqs = self.config.max_num_seqs
+        for q in order:
+            queue, i = self.queues[q], 0
+            while i < len(queue):
+                if step.budget <= 0 or len(self.running) >= max_seqs:
+                    return
+                entry = queue[i]
+                request = entry.request
+                if min(request.num_tokens - request.num_computed_tokens, step.budget) >= step.kv_refused:
+                    i += 1
+                    continue
+                if self._admit_entry(entry, q, out, step) is Admit.OK:
+                    del queue[i]
+                    self._borrow(entry, IDLE, 0)
+                    self.num_idle_admissions += 1
+                    if q in self._blocked and self._blocked[q].entry is entry:
+                        self._unblock(q)
+                    continue
+                i += 1
 
     def max_wait_s(self) -> float:
         """How long a queue head may wait before it goes first: `max_wait_s` when set, else
@@ -325,9 +361,8 @@ class ChameleonScheduler(BatchScheduler):
         return cap if self._recent_wait is None else min(cap, options.aging_factor * self._recent_wait)
 
     def _aged_queues(self) -> list[int]:
-        """Queues whose head has waited longer than `max_wait_s`, oldest head first: they are served
-        before the smaller queues, so a steady stream of small requests cannot hold a large one back
-        for longer than that (the tail the size order alone would stretch)."""
+        """Queues whose head has waited longer than `max_wait_s`, oldest head first: they go first in
+        phase 1 (after the aged requests themselves, `_serve_aged`)."""
         limit = self.max_wait_s()
         if limit <= 0:
             return []
@@ -336,15 +371,45 @@ class ChameleonScheduler(BatchScheduler):
                  if queue and now - queue[0].request.arrival_time > limit]
         return [q for _, q in sorted(heads)]
 
-    def _put_aged(self, q: int, out: SchedulerOutput, step: _Step) -> int:
-        """An aged queue whose quota is used up borrows what nobody holds (charged to the spare, so
-        the pool is never over-lent); returns the seats it took."""
-        queue = self.queues[q]
-        if not queue or now_waited(queue[0], self.clock.now()) <= self.max_wait_s():
-            return 0
-        free_tokens = self.token_pool - self._held_total
-        free_seats = self.config.max_num_seqs - len(self.running)
-        return self._put(q, free_tokens, free_seats, SPARE, out, step)[1]
+    def _serve_aged(self, out: SchedulerOutput, step: _Step) -> None:
+        """Every request that has waited longer than `max_wait_s`, whatever its queue, in arrival
+        order, before the size classes: within its queue's quota, else on what nobody holds (charged
+        to the spare, so the pool is never over-lent), else, work-conserving, on no quota. So past
+        the aging limit the order is FIFO's, whose waiting-time tail no size order beats: a steady
+        stream of small requests cannot hold a large one back for longer than that. A request whose
+        adapter is not ready is passed over for the step, as FIFO does; one refused KV pages ends
+        the pass; a queue head that cannot get adapter memory is blocked, as in `_put`."""
+        limit = self.max_wait_s()
+        if limit <= 0:
+            return
+        since = self.clock.now() - limit
+        aged = sorted(((e, q) for q, queue in enumerate(self.queues)
+                       for e in takewhile(lambda e: e.request.arrival_time < since, queue)), key=lambda eq: eq[0].seq)
+        for entry, q in aged:
+            if step.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                step.stopped = True
+                return
+            charge = self._charge(entry, q)
+            if self._held_total + charge > self.token_pool:
+                where = IDLE if self.options.work_conserving else None
+            elif self.held_tokens[q] + charge > self.quota_tokens[q] or self.held_seats[q] + 1 > self.quota_seats[q]:
+                where = SPARE
+            else:
+                where = q
+            if where is None:
+                return
+            admit = self._admit_entry(entry, q, out, step)
+            if admit is Admit.OK:
+                self.queues[q].remove(entry)
+                self._borrow(entry, where, 0 if where == IDLE else charge)
+                self.num_idle_admissions += where == IDLE
+                if q in self._blocked and self._blocked[q].entry is entry:
+                    self._unblock(q)
+            elif admit is Admit.NO_KV:
+                step.stopped = True
+                return
+            elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
+                self._block(q, entry)  # a head without adapter memory: it may come to hold a reservation
 
     def _put(self, q: int, avail_tokens: int, avail_seats: int, where: int, out: SchedulerOutput,
              step: _Step) -> tuple[int, int]:
@@ -406,6 +471,8 @@ class ChameleonScheduler(BatchScheduler):
                 return Admit.NO_SLOT  # memory that frees goes to the holder first
         first = request.first_scheduled_time is None
         admit = self._admit(request, out, step.budget)
+        if admit is Admit.NO_KV:
+            step.kv_refused = min(step.kv_refused, request.num_tokens - request.num_computed_tokens, step.budget)
         if admit is Admit.OK:
             step.budget -= out.chunks[-1].num_tokens
             now = self.clock.now()
@@ -415,6 +482,26 @@ class ChameleonScheduler(BatchScheduler):
                 self._mean_wait[q] = wait if mean is None else mean + 0.1 * (wait - mean)
                 self._recent_wait = wait if recent is None else recent + 0.05 * (wait - recent)
         return admit
+
+    def _held_reason(self, request: Request) -> str:
+        """Why a waiting request that fits was left waiting: its adapter is reserved for the holder,
+        its queue's token or seat quota, the pool all charges share, a blocked head it may not pass,
+        or its place behind a request that could not start."""
+        entry = self._entries[request.request_id]
+        q = classify(entry.wrs, self.bounds)
+        holder = self._holder
+        if holder is not None and entry is not holder.entry and request.adapter == holder.reserved:
+            return "reservation"
+        blocked = self._blocked.get(q)
+        if blocked is not None and blocked.entry is not entry:
+            return "bypass"
+        charge = self._charge(entry, q)
+        if (self.held_tokens[q] + charge > self.quota_tokens[q]
+                or self.held_seats[q] + 1 > self.quota_seats[q]):
+            return "quota"
+        if self._held_total + charge > self.token_pool:
+            return "pool"
+        return "order"
 
     # ---- bypass, reservation and squash -------------------------------------------------------
 
@@ -515,6 +602,8 @@ class ChameleonScheduler(BatchScheduler):
             elif admit is Admit.NO_KV:
                 step.stopped = True
                 return
+            elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
+                self._block(q, entry)  # a head without adapter memory: it may come to hold a reservation
 
     def _squash(self, victims: list[Request], out: SchedulerOutput, step: _Step) -> None:
         """Stop running bypassers so the head they passed can start; their chunks leave this step."""
@@ -654,6 +743,7 @@ class ChameleonScheduler(BatchScheduler):
         return SchedulerStats(
             policy=self.policy, queues=queues, num_preemptions=self.num_preemptions,
             num_squashes=self.num_squashes, num_bypasses=self.num_bypasses, num_refreshes=self.num_refreshes,
+            num_idle_admissions=self.num_idle_admissions,
             overloaded=self.overloaded, token_pool=self.token_pool, spare_held_tokens=self._spare_tokens,
             predictor=self.predictor.stats(), adapter_service=dict(self.adapter_service),
-            admission_limits=dict(self.admission_limits))
+            admission_limits=dict(self.admission_limits), idle=self.idle.snapshot())

@@ -13,6 +13,12 @@ Every step that leaves requests waiting is counted under what ended admission
 (`SchedulerStats.admission_limits`): the step's token budget, the seats (`max_num_seqs`), KV pages
 (a refused first chunk, or a preemption), an adapter that could not get memory yet, or the policy
 itself (quotas, an order that holds requests back). Only the last two are a policy's to change.
+
+Idle capacity is counted too (`SchedulerStats.idle`): a step that ends with a free seat and unused
+token budget while a waiting request fits (its adapter is on the device and not being copied, the
+KV pages of its first chunk are free, and no admission tried it this step) left capacity idle that
+the policy could have used; the policy names why it held that request (`_held_reason`). A
+work-conserving policy keeps these counters at zero.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Protocol
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.memory.device_memory import DeviceMemory
+from loraplex.engine.memory.kv_cache import blocks_for
 from loraplex.engine.messages import (
     NO_ADAPTER_SLOT,
     ExecutorResult,
@@ -34,7 +41,7 @@ from loraplex.engine.messages import (
 from loraplex.engine.options import options_for
 from loraplex.engine.output.stopping import finish_reason
 from loraplex.engine.request import FinishReason, Request, RequestStatus
-from loraplex.engine.scheduling.stats import QueueStats, SchedulerStats
+from loraplex.engine.scheduling.stats import IdleCapacity, QueueStats, SchedulerStats
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 
@@ -101,6 +108,8 @@ class BatchScheduler:
         self.adapter_service: defaultdict[str, int] = defaultdict(int)  # adapter -> tokens of finished requests
         self.admission_limits: Counter[str] = Counter()  # steps that left requests waiting, by what ended admission
         self._refused: Admit | None = None  # the last refusal of this step's admissions
+        self._tried: set[str] = set()  # waiting requests an admission was tried on this step
+        self.idle = IdleCapacity()
 
     # ---- the waiting requests: a policy's own structure ----------------------------------------
 
@@ -168,9 +177,11 @@ class BatchScheduler:
                 self.admission_limits["kv"] += 1
         elif self.num_waiting:
             self._refused = None
+            self._tried.clear()
             self._schedule_waiting(out, budget)
             if self.num_waiting:
                 self.admission_limits[self._admission_limit(out)] += 1
+                self._count_idle(out)
         self.memory.drain(out, len(self.running))
         return out
 
@@ -184,10 +195,36 @@ class BatchScheduler:
             return "kv"
         return "adapter" if self._refused is Admit.NO_SLOT else "policy"
 
+    def _count_idle(self, out: SchedulerOutput) -> None:
+        """Count this step in `idle` if it ends with a free seat and unused budget while a waiting
+        request fits (see the module's docstring)."""
+        seats = self.config.max_num_seqs - len(self.running)
+        tokens = self.config.max_num_batched_tokens - sum(c.num_tokens for c in out.chunks)
+        if seats <= 0 or tokens <= 0:
+            return
+        fitting = next((r for r in self._waiting_requests() if self._fits(r, tokens)), None)
+        if fitting is not None:
+            self.idle.add(seats, tokens, self._held_reason(fitting))
+
+    def _fits(self, request: Request, budget: int) -> bool:
+        """The engine would start `request` now: untried this step, its adapter ready, the pages of its
+        first chunk free (cached pages that could be evicted are not counted: an underestimate)."""
+        if request.request_id in self._tried:
+            return False
+        adapter = request.adapter
+        if adapter is not None and (not self.memory.holds(adapter) or self.memory.loading(adapter)):
+            return False
+        first_chunk = min(request.num_tokens - request.num_computed_tokens, budget)
+        return blocks_for(first_chunk, self.config.block_size) <= self.memory.num_free_pages
+
+    def _held_reason(self, request: Request) -> str:
+        """Why the policy left a fitting `request` waiting (`IdleCapacity.reasons`)."""
+        return "order"  # behind a request that could not start, which ended the policy's admissions
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(policy=self.policy, queues=[self._queue_stats(0, None, self._waiting_requests())],
                               num_preemptions=self.num_preemptions, adapter_service=dict(self.adapter_service),
-                              admission_limits=dict(self.admission_limits))
+                              admission_limits=dict(self.admission_limits), idle=self.idle.snapshot())
 
     def update(self, output: SchedulerOutput, result: ExecutorResult) -> list[RequestOutput]:
         # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
@@ -253,6 +290,7 @@ class BatchScheduler:
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> Admit:
         """Start `request` with a first chunk of at most `budget` tokens, or take nothing."""
+        self._tried.add(request.request_id)
         if not self._acquire_slot(request):
             return self._refuse(Admit.NO_SLOT)
         if request.num_computed_tokens == 0 and not self.memory.begin(request):

@@ -29,6 +29,32 @@ class PredictorStats:
 
 
 @dataclass
+class IdleCapacity:
+    """Steps that ended with a free seat and unused token budget while a waiting request fitted: the
+    capacity a policy left idle where a request could have run (0 everywhere: work-conserving)."""
+
+    steps: int = 0
+    seats: int = 0  # free seats summed over those steps
+    tokens: int = 0  # unused budget tokens summed over those steps
+    reasons: dict[str, int] = field(default_factory=dict)  # steps by why the policy held the request
+
+    def add(self, seats: int, tokens: int, reason: str) -> None:
+        self.steps += 1
+        self.seats += seats
+        self.tokens += tokens
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def snapshot(self) -> IdleCapacity:
+        return IdleCapacity(self.steps, self.seats, self.tokens, dict(self.reasons))
+
+    def __add__(self, other: IdleCapacity) -> IdleCapacity:
+        reasons = dict(self.reasons)
+        for reason, steps in other.reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + steps
+        return IdleCapacity(self.steps + other.steps, self.seats + other.seats, self.tokens + other.tokens, reasons)
+
+
+@dataclass
 class SchedulerStats:
     policy: str
     queues: list[QueueStats]
@@ -36,6 +62,7 @@ class SchedulerStats:
     num_squashes: int = 0  # bypassing requests stopped so the request they passed could start
     num_bypasses: int = 0  # requests admitted ahead of an older one whose adapter had no memory
     num_refreshes: int = 0  # queue reconfigurations (K-means, boundaries, quotas)
+    num_idle_admissions: int = 0  # chameleon: requests started on what the quotas left idle (work-conserving)
     overloaded: bool = False  # the quota floors need more tokens than the pool has
     token_pool: int | None = None  # tokens the quotas share
     spare_held_tokens: int = 0  # lent from the spare of emptied queues
@@ -44,3 +71,4 @@ class SchedulerStats:
     adapter_counters: dict[str, float] = field(default_factory=dict)  # vtc: virtual token counters
     # steps that left requests waiting, by what ended admission (scheduler.ADMISSION_LIMITS)
     admission_limits: dict[str, int] = field(default_factory=dict)
+    idle: IdleCapacity = field(default_factory=IdleCapacity)  # capacity left idle while a request fitted
