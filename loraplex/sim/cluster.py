@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.latency.profile import Profile
@@ -33,6 +34,7 @@ from loraplex.routing import RoutingTable
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile
 from loraplex.routing.rank_aware import LatencyModel, RankAwareConfig
 from loraplex.routing.records import ServerBatch
+from loraplex.sim.executor import SimExecutor
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
     RequestResult,
@@ -47,6 +49,7 @@ from loraplex.sim.metrics import (
 from loraplex.sim.operating_points import operating_points
 from loraplex.sim.replay import check_fits, make_request, register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine, sim_prompt
+from loraplex.sim.spans import step
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId
 
@@ -64,6 +67,7 @@ class ClusterConfig:
     # rank-aware routing: latency model, SLO, constants (default: the twin profile's own latency model)
     rank_aware: RankAwareConfig | None = None
     batch_refresh_s: float | None = None  # live batches as of heartbeats this often; None: exact
+    exact: bool = False  # every engine step run one by one (the reference); default: decode spans at once
 
 
 @dataclass
@@ -75,7 +79,7 @@ class ClusterRun:
 
 class _Server:
     def __init__(self, index: int, profile: Profile, overrides: dict, adapters: dict[str, int],
-                 ids: dict[str, AdapterId]) -> None:
+                 ids: dict[str, AdapterId], exact: bool = False) -> None:
         self.index = index
         self.id = f"sim-{index}"
         self.core, self.clock = make_sim_engine(profile, profile.engine_config(**overrides))
@@ -87,13 +91,14 @@ class _Server:
         self._scheduler = self.core.scheduler
         self._holds = self.core.memory.holds
         self._max_rank = self.core.config.max_lora_rank
+        self._executor = cast(SimExecutor, self.core.executor)
+        self._exact = exact
 
     def advance(self, until: float) -> None:
-        """Run every step that starts at or before `until`."""
-        core, clock, scheduler = self.core, self.clock, self._scheduler
+        """Run every step that starts at or before `until` (spans of plain decodes at once unless exact)."""
+        core, clock, scheduler, executor, exact = self.core, self.clock, self._scheduler, self._executor, self._exact
         while scheduler.has_unfinished() and clock.now() <= until:
-            steps = core.num_steps
-            if not core.step() and core.num_steps == steps and scheduler.has_unfinished():
+            if not step(core, executor, until, exact=exact) and scheduler.has_unfinished():
                 raise RuntimeError(f"{self.id} admits none of its waiting requests while idle")
 
     def table_candidate(self, phi: float) -> Candidate:
@@ -131,7 +136,7 @@ class _Cluster:
         self.config = config
         self.adapters = trace.adapters()
         ids = {name: sim_adapter_id(name) for name in self.adapters}  # one set of ids shared by every server
-        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters, ids)
+        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters, ids, config.exact)
                         for i in range(config.servers)]
         self.by_id = {s.id: s for s in self.servers}
         rng = random.Random(config.seed)

@@ -112,6 +112,9 @@ def sim_args(p: argparse.ArgumentParser) -> None:
                    help="a knob of the scheduler, e.g. refresh_s=60 (repeatable; docs/engine.md)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="time-per-output-token SLO in seconds")
+    p.add_argument("--exact", action="store_true",
+                   help="run every engine step one by one (the reference; default: spans of plain decode "
+                        "steps between two events at once, docs/simulator.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write per-request results (JSONL, header = workload + summary)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
@@ -162,12 +165,12 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
     if args.servers == 1:
         from loraplex.sim.server import simulate_server
 
-        run = simulate_server(trace, profile, profile.engine_config(**overrides), slo)
+        run = simulate_server(trace, profile, profile.engine_config(**overrides), slo, exact=args.exact)
         return run.results, run.summary, {}
     from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 
     cluster = ClusterConfig(servers=args.servers, placement=args.placement, routing=args.routing,
-                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides)
+                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides, exact=args.exact)
     run = simulate_cluster(trace, profile, cluster, slo)
     return run.results, run.summary, run.info
 

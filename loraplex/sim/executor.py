@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from loraplex.engine.messages import ExecutorResult, SchedulerOutput
+import numpy as np
+
+from loraplex.engine.messages import DecodeSpan, ExecutorResult, SchedulerOutput
 from loraplex.engine.request import SampledToken
 from loraplex.latency.features import FEATURES, SlotRanks
 from loraplex.latency.profile import Profile
@@ -29,6 +31,7 @@ from loraplex.util.clock import ManualClock
 
 DUMMY_TOKEN = SampledToken(token_id=0)
 _LOAD_TERMS = (FEATURES.index("loads"), FEATURES.index("load_rank_sum"))
+_CONTEXT_TERMS = (FEATURES.index("context_tokens"), FEATURES.index("padded_context"))
 # A job due at t is reported by a step ending at t; the clock adds floats, so an idle step that
 # runs exactly to t may stop an ulp short of it.
 _TIME_EPS = 1e-9
@@ -95,6 +98,27 @@ class SimExecutor:
         self.busy_s += elapsed
         result.elapsed_s = elapsed
         return result
+
+    def run_span(self, span: DecodeSpan, until: float, strict: bool = False) -> list[float]:
+        """Run the steps of `span` that start at or before `until` (before it, `strict`) and before
+        `span.until`, at least the first: the clock ends where the last one ends; returns their start
+        times. The batch is fixed, so step j lasts the first step's latency plus j times the growth of
+        its context terms (every decode is one position further on): no per-step Python."""
+        first = max(0.0, self.step_seconds(SchedulerOutput(chunks=span.chunks)))
+        w_context, w_padded = (self._w[i] for i in _CONTEXT_TERMS)
+        growth = (w_context + w_padded) * len(span.chunks)
+        steps, now = span.steps, self.clock.now()
+        horizon = min(until, span.until) - now
+        if first > 0.0 and growth >= 0.0 and horizon < steps * first:  # no more than fit before `until`
+            steps = int(horizon / first) + 2
+        seconds = np.maximum(0.0, first + growth * np.arange(steps))
+        ends = now + np.cumsum(seconds)
+        starts = np.concatenate(([now], ends[:-1]))
+        limit = np.searchsorted(starts, until, side="left" if strict else "right")
+        taken = max(1, min(int(limit), int(np.searchsorted(starts, span.until, side="left"))))
+        self.clock.advance(float(ends[taken - 1]) - now)
+        self.busy_s += float(ends[taken - 1]) - now
+        return starts[:taken].tolist()
 
     def _load_terms(self, output: SchedulerOutput) -> float:
         """The per-load terms alone: what a step without chunks costs under an older profile."""

@@ -7,6 +7,7 @@ exactly alike.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -14,6 +15,8 @@ from functools import lru_cache
 from loraplex.engine.core import EngineCore
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
+from loraplex.sim.executor import SimExecutor
+from loraplex.sim.spans import step
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 
@@ -66,8 +69,9 @@ class ReplayLog:
 
 
 def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Prompt,
-           wait_until: WaitUntil, horizon_s: float | None = None) -> ReplayLog:
-    """Run `trace` to completion, or until `horizon_s` of trace time has passed."""
+           wait_until: WaitUntil, horizon_s: float | None = None, spans: SimExecutor | None = None) -> ReplayLog:
+    """Run `trace` to completion, or until `horizon_s` of trace time has passed. With `spans` (the
+    twin's executor of `core`), plain decode steps between two arrivals run at once (`sim.spans`)."""
     clock = core.clock
     origin = clock.now()
     pending = trace.requests
@@ -84,8 +88,15 @@ def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Pr
             admitted.append(request)
             i += 1
         if core.has_unfinished():
-            steps = core.num_steps
-            if not core.step() and core.num_steps == steps and core.has_unfinished():
+            if spans is None:
+                steps = core.num_steps
+                moved = bool(core.step()) or core.num_steps != steps
+            else:
+                until = origin + pending[i].arrival_s if i < n else math.inf
+                if horizon_s is not None:
+                    until = min(until, origin + horizon_s)
+                moved = step(core, spans, until, strict=True)
+            if not moved and core.has_unfinished():
                 raise RuntimeError("the engine admits none of its waiting requests while idle")
         elif i < n:
             wait_until(origin + pending[i].arrival_s)

@@ -56,7 +56,9 @@ def make_sim_engine(profile: Profile, config: EngineConfig | None = None) -> tup
 
 
 def simulate_server(trace: Trace, profile: Profile, config: EngineConfig | None = None,
-                    slo: Slo | None = None, horizon_s: float | None = None) -> ServerRun:
+                    slo: Slo | None = None, horizon_s: float | None = None, exact: bool = False) -> ServerRun:
+    """`exact`: run every step through the engine (the reference); by default spans of plain decode
+    steps run at once (`sim.spans`)."""
     core, clock = make_sim_engine(profile, config)
     check_fits(trace, core.config.max_model_len, core.config.max_lora_rank)
     ids = register_adapters(core, trace.adapters())
@@ -65,7 +67,7 @@ def simulate_server(trace: Trace, profile: Profile, config: EngineConfig | None 
         clock.advance(max(0.0, t - clock.now()))
 
     with cyclic_gc_paused():
-        log = replay(core, trace, ids, sim_prompt, jump, horizon_s)
+        log = replay(core, trace, ids, sim_prompt, jump, horizon_s, None if exact else core.executor)
     results = [result_of(req, log.origin, req.adapter.name if req.adapter else None) for req in log.requests]
     summary = summarize(results, trace_duration(trace), log.end - log.origin, slo, offered_tokens(trace))
     return ServerRun(results, summary, core.stats())
