@@ -170,7 +170,8 @@ def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
     from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 
     cluster = ClusterConfig(servers=args.servers, placement=args.placement, routing=args.routing,
-                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides, exact=args.exact)
+                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides, exact=args.exact,
+                            keep_results=bool(args.out))
     run = simulate_cluster(trace, profile, cluster, slo)
     return run.results, run.summary, run.info
 

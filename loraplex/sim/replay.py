@@ -95,7 +95,7 @@ def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Pr
                 until = origin + pending[i].arrival_s if i < n else math.inf
                 if horizon_s is not None:
                     until = min(until, origin + horizon_s)
-                moved = step(core, spans, until, strict=True)
+                moved = step(core, spans, until, strict=True) is not None
             if not moved and core.has_unfinished():
                 raise RuntimeError("the engine admits none of its waiting requests while idle")
         elif i < n:

@@ -34,10 +34,10 @@ class ServerRun:
 
 
 def sim_prompt(request: TraceRequest) -> list[int]:
-    """Token ids of no meaning but unique to the request: a trace has no content, so no two of its
-    requests may share a cached prefix."""
-    start = (zlib.crc32(request.request_id.encode()) + 1) << 24
-    return list(range(start, start + request.prompt_len))
+    """Token ids of no meaning whose first block is unique to the request: a trace has no content, so no
+    two of its requests may share a cached prefix (a prefix path starts at the first block, so the
+    rest can be one shared id: a long run's prompts and cached blocks hold no per-token objects)."""
+    return [(zlib.crc32(request.request_id.encode()) + 1) << 24] + [0] * (request.prompt_len - 1)
 
 
 def make_sim_engine(profile: Profile, config: EngineConfig | None = None) -> tuple[EngineCore, ManualClock]:

@@ -1,9 +1,11 @@
 """The fast mode (spans of plain decode steps at once) against the exact mode (every step through
 the engine) on ten traces: single server and cluster, each memory policy and scheduler, steady,
-bursty and drifting arrivals. Throughput, P50/P99 TTFT and TPOT and SLO attainment agree within 1%."""
+bursty and drifting arrivals. Throughput, P50/P99 TTFT and TPOT and SLO attainment agree within 1%
+(the issue's bar); in fact every request's timings are identical."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from loraplex.latency.profile import load_profile
@@ -54,15 +56,17 @@ def test_the_fast_mode_agrees_with_the_exact_mode(case):
     slo = Slo(ttft_s=1.0 if h100 else 0.5, tpot_s=None)
     if servers == 1:
         config = profile.engine_config(**overrides)
-        runs = [simulate_server(trace, profile, config, slo, exact=exact).summary for exact in (True, False)]
+        runs = [simulate_server(trace, profile, config, slo, exact=exact) for exact in (True, False)]
     else:
         runs = [simulate_cluster(trace, profile, ClusterConfig(servers, routing=routing, interval_s=10,
-                                                               engine_overrides=overrides, exact=exact), slo).summary
+                                                               engine_overrides=overrides, exact=exact), slo)
                 for exact in (True, False)]
-    exact, fast = (metrics(s) for s in runs)
-    assert runs[0].finished == runs[1].finished == len(trace.requests)
+    exact, fast = (metrics(run.summary) for run in runs)
+    assert runs[0].summary.finished == runs[1].summary.finished == len(trace.requests)
     for key, value in exact.items():
         assert fast[key] == pytest.approx(value, rel=0.01), key
+    # In fact a span's clock is the running sum of the very latencies the steps would have: bit-identical.
+    assert runs[0].results == runs[1].results
 
 
 def test_a_span_leaves_the_engine_as_its_steps_would():
@@ -82,11 +86,31 @@ def test_a_span_leaves_the_engine_as_its_steps_would():
     starts = fast.executor.run_span(span, float("inf"))
     fast.advance_decodes(len(starts), DUMMY_TOKEN, starts)
     for start in starts:
-        assert slow_clock.now() == pytest.approx(start, rel=1e-12)
+        assert slow_clock.now() == start
         slow.step()
-    assert fast_clock.now() == pytest.approx(slow_clock.now(), rel=1e-12)
+    assert fast_clock.now() == slow_clock.now()
     state = [[(r.request_id, r.num_computed_tokens, len(r.output_token_ids), len(r.block_ids))
               for r in core.scheduler.running] for core in (slow, fast)]
     assert state[0] == state[1]
     assert slow.stats().generation_tokens_total == fast.stats().generation_tokens_total
     assert slow.num_steps == fast.num_steps
+
+
+def test_a_run_without_rows_streams_the_same_summary():
+    spec = WorkloadSpec(duration_s=20, rps=15, seed=2, lengths=CPU_LENGTHS, adapters=Adapters(count=30))
+    trace, profile = generate(spec), load_profile("cpu-tiny")
+    slo = Slo(ttft_s=0.5)
+    kept, streamed = (simulate_cluster(trace, profile, ClusterConfig(3, interval_s=10, keep_results=keep), slo)
+                      for keep in (True, False))
+    assert streamed.results == [] and len(kept.results) == len(trace.requests)
+    a, b = kept.summary, streamed.summary
+    assert (a.requests, a.finished, a.starved, a.slo_attainment) == (b.requests, b.finished, b.starved, b.slo_attainment)
+    assert b.throughput_tokens_per_s == pytest.approx(a.throughput_tokens_per_s, rel=1e-9)
+    assert b.window_throughput_tokens_per_s == pytest.approx(a.window_throughput_tokens_per_s, rel=1e-9)
+    for key in ("ttft_s", "tpot_s", "e2e_s"):  # a quantile sketch of 0.1% relative accuracy
+        values = [getattr(r, key) for r in kept.results if getattr(r, key)]
+        sketched = getattr(b, key)
+        assert sketched["mean"] == pytest.approx(getattr(a, key)["mean"], rel=1e-9)
+        for p in (50, 90, 99):  # the sketch answers with a value at the rank (numpy would interpolate)
+            assert sketched[f"p{p}"] == pytest.approx(np.percentile(values, p, method="lower"), rel=0.002), (key, p)
+    assert kept.info["starved_servers"] == streamed.info["starved_servers"]

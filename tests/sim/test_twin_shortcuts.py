@@ -17,9 +17,7 @@ def test_a_router_that_reads_no_load_picks_as_if_every_candidate_were_stepped(mo
     spec = WorkloadSpec(duration_s=20, rps=60, adapters=Adapters(count=30),
                         lengths=Lengths(profile="uniform", uniform_range=(8, 200), max_model_len=2048))
     trace, profile = generate(spec), load_profile("cpu-tiny")
-    # exact: the fast mode's decode spans end at the arrivals a server is stepped to, so rounding
-    # would differ in the last bits between the two paths
-    config = ClusterConfig(servers=6, interval_s=5, operating_points=DEFAULT_CPU, exact=True)
+    config = ClusterConfig(servers=6, interval_s=5, operating_points=DEFAULT_CPU)
     assert not make_profile("loraserve").reads_load
     from_table = simulate_cluster(trace, profile, config)
     # Declaring that φ reads load makes the cluster step every candidate and read its live state.

@@ -222,7 +222,8 @@ class BatchScheduler:
         steps = self.config.max_model_len
         for request in running:
             num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
-            if request.num_computed_tokens != num_prompt + num_output - 1 or not _repeats(request, token_id):
+            if (not num_output or request.num_computed_tokens != num_prompt + num_output - 1
+                    or not _repeats(request, token_id)):
                 return None
             steps = min(steps, request.sampling.max_tokens - num_output - 1,
                         self.config.max_model_len - num_prompt - num_output - 1)
