@@ -47,7 +47,7 @@ from loraplex.sim.metrics import (
     trace_duration,
 )
 from loraplex.sim.operating_points import operating_points
-from loraplex.sim.replay import check_fits, make_request, register_adapters, sim_adapter_id
+from loraplex.sim.replay import PROGRESS_EVERY, check_fits, make_request, register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine, sim_prompt
 from loraplex.sim.spans import step
 from loraplex.sim.trace import Trace, TraceRequest
@@ -70,6 +70,7 @@ class ClusterConfig:
     # per-request rows in ClusterRun.results and exact percentiles; False: a streamed summary only
     # (percentiles from a quantile sketch), so memory does not grow with the trace
     keep_results: bool = True
+    progress: Callable[[float], None] | None = None  # told the trace time every PROGRESS_EVERY arrivals
     exact: bool = False  # every engine step run one by one (the reference); default: decode spans at once
 
 
@@ -239,7 +240,9 @@ def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo:
         duration = trace_duration(trace)
         cluster.place(0.0, _mean_demand(trace, duration))  # the declared (expected) demand of every adapter
         next_placement = config.interval_s
-        for request in trace.requests:
+        for i, request in enumerate(trace.requests):
+            if config.progress is not None and i % PROGRESS_EVERY == 0:
+                config.progress(request.arrival_s)
             while request.arrival_s >= next_placement:
                 cluster.place(next_placement, {a: t / config.interval_s for a, t in cluster.window_tokens.items()})
                 cluster.window_tokens = {}
