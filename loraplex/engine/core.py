@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
@@ -11,7 +12,7 @@ from loraplex.engine.memory.policies import make_memory
 from loraplex.engine.memory.stats import MemoryStats
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.output.prompt_logprobs import PromptLogprobsCollector
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, SampledToken
 from loraplex.engine.scheduling.schedulers import make_scheduler
 from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.spec.adapter import AdapterId, AdapterInfo
@@ -128,6 +129,13 @@ class EngineCore:
             if o.num_output_tokens == 1:
                 self._prompt_tokens += o.num_prompt_tokens
         return outputs
+
+    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> None:
+        """Count `steps` plain decode steps of the scheduler's `decode_span` that an executor ran at
+        once (the twin's), starting at `starts`, each decode sampling `token`."""
+        self.scheduler.advance_decodes(steps, token, starts)
+        self._steps += steps
+        self._generation_tokens += steps * self.scheduler.num_running
 
     @property
     def num_steps(self) -> int:

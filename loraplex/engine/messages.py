@@ -91,6 +91,17 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class DecodeSpan:
+    """The next `steps` steps are plain decodes of one unchanged batch (`BatchScheduler.decode_span`):
+    `chunks` is the first of them; in each later one every chunk is one position further on. A
+    simulated executor times them all at once, so a twin's cost follows events, not steps."""
+
+    chunks: list[ScheduledChunk]
+    steps: int
+    until: float  # the steps must start before this time (a policy acts on the clock then)
+
+
+@dataclass(slots=True)
 class PromptLogprobs:
     """A prefill chunk's share of a request's prompt logprobs (`SamplingParams.prompt_logprobs`):
     the prompt tokens at positions `first_position`, `first_position + 1`, ..., each with its

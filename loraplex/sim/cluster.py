@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.latency.profile import Profile
@@ -33,20 +35,21 @@ from loraplex.routing import RoutingTable
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile
 from loraplex.routing.rank_aware import LatencyModel, RankAwareConfig
 from loraplex.routing.records import ServerBatch
+from loraplex.sim.executor import SimExecutor
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import (
     RequestResult,
     Slo,
     Summary,
+    Tally,
     offered_tokens,
     result_of,
-    starved_servers,
-    summarize,
     trace_duration,
 )
 from loraplex.sim.operating_points import operating_points
-from loraplex.sim.replay import check_fits, make_request, register_adapters, sim_adapter_id
+from loraplex.sim.replay import PROGRESS_EVERY, check_fits, make_request, register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine, sim_prompt
+from loraplex.sim.spans import step
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId
 
@@ -64,6 +67,11 @@ class ClusterConfig:
     # rank-aware routing: latency model, SLO, constants (default: the twin profile's own latency model)
     rank_aware: RankAwareConfig | None = None
     batch_refresh_s: float | None = None  # live batches as of heartbeats this often; None: exact
+    # per-request rows in ClusterRun.results and exact percentiles; False: a streamed summary only
+    # (percentiles from a quantile sketch), so memory does not grow with the trace
+    keep_results: bool = True
+    progress: Callable[[float], None] | None = None  # told the trace time every PROGRESS_EVERY arrivals
+    exact: bool = False  # every engine step run one by one (the reference); default: decode spans at once
 
 
 @dataclass
@@ -75,26 +83,38 @@ class ClusterRun:
 
 class _Server:
     def __init__(self, index: int, profile: Profile, overrides: dict, adapters: dict[str, int],
-                 ids: dict[str, AdapterId]) -> None:
+                 ids: dict[str, AdapterId], done: Callable[[RequestResult], None], exact: bool = False) -> None:
         self.index = index
         self.id = f"sim-{index}"
         self.core, self.clock = make_sim_engine(profile, profile.engine_config(**overrides))
         self.ids = register_adapters(self.core, adapters, ids)
         self.ranks = {self.ids[name]: rank for name, rank in adapters.items()}
-        self.requests: list[Request] = []
+        self.live: dict[str, Request] = {}  # unfinished ones: a finished one leaves as its result
+        self.num_requests = 0
         self.open: list[Request] = []  # unfinished ones, pruned when the batch is read
         self._heartbeat: tuple[float, ServerBatch] | None = None
         self._scheduler = self.core.scheduler
         self._holds = self.core.memory.holds
         self._max_rank = self.core.config.max_lora_rank
+        self._executor = cast(SimExecutor, self.core.executor)
+        self._exact = exact
+        self._done = done
 
     def advance(self, until: float) -> None:
-        """Run every step that starts at or before `until`."""
-        core, clock, scheduler = self.core, self.clock, self._scheduler
+        """Run every step that starts at or before `until` (spans of plain decodes at once unless exact)."""
+        core, clock, scheduler, executor, exact = self.core, self.clock, self._scheduler, self._executor, self._exact
         while scheduler.has_unfinished() and clock.now() <= until:
-            steps = core.num_steps
-            if not core.step() and core.num_steps == steps and scheduler.has_unfinished():
-                raise RuntimeError(f"{self.id} admits none of its waiting requests while idle")
+            outputs = step(core, executor, until, exact=exact)
+            if outputs is None:
+                if scheduler.has_unfinished():
+                    raise RuntimeError(f"{self.id} admits none of its waiting requests while idle")
+                continue
+            for output in outputs:
+                if output.finished:
+                    self.finish(self.live.pop(output.request_id))
+
+    def finish(self, request: Request) -> None:
+        self._done(result_of(request, 0.0, request.adapter.name if request.adapter else None, self.id))
 
     def table_candidate(self, phi: float) -> Candidate:
         """The server as a router that reads no load sees it: the table's φ and its static limits. Every
@@ -127,11 +147,15 @@ class _Server:
 
 
 class _Cluster:
-    def __init__(self, trace: Trace, profile: Profile, config: ClusterConfig) -> None:
+    def __init__(self, trace: Trace, profile: Profile, config: ClusterConfig, slo: Slo | None = None) -> None:
         self.config = config
         self.adapters = trace.adapters()
         ids = {name: sim_adapter_id(name) for name in self.adapters}  # one set of ids shared by every server
-        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters, ids)
+        self.slo = slo
+        self.tally = Tally(trace_duration(trace), slo)  # without the rows, the summary streams
+        self.results: list[RequestResult] = []
+        done = self.results.append if config.keep_results else self.tally.add
+        self.servers = [_Server(i, profile, config.engine_overrides, self.adapters, ids, done, config.exact)
                         for i in range(config.servers)]
         self.by_id = {s.id: s for s in self.servers}
         rng = random.Random(config.seed)
@@ -212,11 +236,13 @@ def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo:
     config_0 = profile.engine_config(**config.engine_overrides)
     check_fits(trace, config_0.max_model_len, config_0.max_lora_rank)
     with cyclic_gc_paused():
-        cluster = _Cluster(trace, profile, config)
+        cluster = _Cluster(trace, profile, config, slo)
         duration = trace_duration(trace)
         cluster.place(0.0, _mean_demand(trace, duration))  # the declared (expected) demand of every adapter
         next_placement = config.interval_s
-        for request in trace.requests:
+        for i, request in enumerate(trace.requests):
+            if config.progress is not None and i % PROGRESS_EVERY == 0:
+                config.progress(request.arrival_s)
             while request.arrival_s >= next_placement:
                 cluster.place(next_placement, {a: t / config.interval_s for a, t in cluster.window_tokens.items()})
                 cluster.window_tokens = {}
@@ -224,7 +250,7 @@ def simulate_cluster(trace: Trace, profile: Profile, config: ClusterConfig, slo:
             _admit(cluster, request)
         for server in cluster.servers:
             server.advance(float("inf"))
-        return _collect(cluster, trace, duration, slo)
+        return _collect(cluster, trace)
 
 
 def _admit(cluster: _Cluster, request: TraceRequest) -> None:
@@ -236,7 +262,8 @@ def _admit(cluster: _Cluster, request: TraceRequest) -> None:
         server.clock.advance(max(0.0, request.arrival_s - server.clock.now()))
     req = make_request(request, 0.0, server.ids[request.adapter] if request.adapter else None, sim_prompt)
     server.core.add_request(req)
-    server.requests.append(req)
+    server.live[req.request_id] = req
+    server.num_requests += 1
     if cluster._router_reads_batch:
         server.open.append(req)
 
@@ -255,16 +282,22 @@ def _added_routes(before: RoutingTable, after: RoutingTable) -> int:
                for name in after.entries)
 
 
-def _collect(cluster: _Cluster, trace: Trace, duration: float, slo: Slo | None) -> ClusterRun:
-    results = [result_of(req, 0.0, req.adapter.name if req.adapter else None, server.id)
-               for server in cluster.servers for req in server.requests]
-    results.sort(key=lambda r: r.arrival_s)
+def _collect(cluster: _Cluster, trace: Trace) -> ClusterRun:
+    for server in cluster.servers:  # none is left once every server ran to the end; kept for safety
+        for request in server.live.values():
+            server.finish(request)
+    results, tally = cluster.results, cluster.tally
+    if cluster.config.keep_results:  # the rows in arrival order, and exact percentiles from them
+        results.sort(key=lambda r: r.arrival_s)
+        tally = Tally(tally.duration_s, cluster.slo, exact=True)
+        for r in results:
+            tally.add(r)
     end = max(s.clock.now() for s in cluster.servers)
-    summary = summarize(results, duration, end, slo, offered_tokens(trace))
+    summary = tally.summary(end, offered_tokens(trace))
     info = {"servers": len(cluster.servers), "placement": cluster.config.placement,
             "placements": cluster.placements, "required_servers": cluster.required_servers,
             "adapter_moves": cluster.adapter_moves, "placement_s": cluster.placement_s,
-            "starved_servers": starved_servers(results, duration),
-            "requests_per_server": [len(s.requests) for s in cluster.servers],
+            "starved_servers": tally.starved_servers,
+            "requests_per_server": [s.num_requests for s in cluster.servers],
             "operating_points": {str(r): round(t, 1) for r, t in cluster.points.tokens_per_second.items()}}
     return ClusterRun(results, summary, info)

@@ -41,12 +41,26 @@ def _load_spec(args: argparse.Namespace):
             doc[key] = value
     if args.adapters is not None:
         doc.setdefault("adapters", {})["count"] = args.adapters
+    if args.max_model_len is not None:
+        doc.setdefault("lengths", {})["max_model_len"] = args.max_model_len
     try:
-        return WorkloadSpec.model_validate(doc)
+        spec = WorkloadSpec.model_validate(doc)
     except ValidationError as exc:
         raise CommandError(f"invalid workload: {validation_line(exc)}") from None
     except ValueError as exc:
         raise CommandError(f"invalid workload: {one_line(exc)}") from None
+    return spec if args.max_rank is None else _ranks_up_to(spec, args.max_rank)
+
+
+def _ranks_up_to(spec: WorkloadSpec, max_rank: int) -> WorkloadSpec:
+    """The spec with its adapters' ranks above `max_rank` left out (their weights with them)."""
+    adapters = spec.adapters
+    keep = [i for i, rank in enumerate(adapters.ranks) if rank <= max_rank]
+    if not keep:
+        raise CommandError(f"--max-rank {max_rank}: the workload has no adapter rank at or below it ({adapters.ranks})")
+    weights = None if adapters.rank_weights is None else [adapters.rank_weights[i] for i in keep]
+    return spec.model_copy(update={"adapters": adapters.model_copy(
+        update={"ranks": [adapters.ranks[i] for i in keep], "rank_weights": weights})})
 
 
 def workload_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +69,10 @@ def workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
     p.add_argument("--rps", type=float, default=None, help="mean requests per second")
     p.add_argument("--adapters", type=int, default=None, help="number of adapters")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest request (prompt + output), e.g. a profile's max_model_len: longer ones are shaved")
+    p.add_argument("--max-rank", type=int, default=None,
+                   help="leave out adapter ranks above this, e.g. a profile's max_lora_rank")
     p.add_argument("--traces-dir", type=existing_dir, default=None, help="folder of the Azure 2023 CSVs (default: the ones shipped in the package)")
 
 
@@ -117,6 +135,9 @@ def sim_args(p: argparse.ArgumentParser) -> None:
                    help="a knob of the scheduler, e.g. refresh_s=60 (repeatable; docs/engine.md)")
     p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
     p.add_argument("--slo-tpot", type=float, default=None, help="time-per-output-token SLO in seconds")
+    p.add_argument("--exact", action="store_true",
+                   help="run every engine step one by one (the reference; default: spans of plain decode "
+                        "steps between two events at once, docs/simulator.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write per-request results (JSONL, header = workload + summary)")
     p.add_argument("--json", action="store_true", help="print the whole result as JSON (default: a summary table)")
@@ -152,7 +173,7 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         with progress("sim run") as say:
             say(f"replaying {len(trace.requests)} requests on {args.servers} simulated server(s)")
-            results, summary, extra = _simulate(args, trace, profile, overrides, slo)
+            results, summary, extra = _simulate(args, trace, profile, overrides, slo, _reporter(say, trace))
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     wall = time.perf_counter() - started
@@ -163,16 +184,35 @@ def run_sim(args: argparse.Namespace) -> int:
     return 1 if summary.starved else 0
 
 
-def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo):
+def _reporter(say, trace):
+    """Progress for the spinner: trace time simulated, the pace against real time and the wall time left."""
+    import time
+
+    from loraplex.sim.metrics import trace_duration
+
+    started, duration = time.monotonic(), trace_duration(trace)
+
+    def report(t: float) -> None:
+        wall = time.monotonic() - started
+        if t <= 0 or wall <= 0:
+            return
+        say(f"simulated {t:.0f} of {duration:.0f} s of arrivals, {t / wall:.1f}x real time, "
+            f"about {wall * (duration - t) / t:.0f} s left")
+    return report
+
+
+def _simulate(args: argparse.Namespace, trace, profile, overrides: dict, slo, report):
     if args.servers == 1:
         from loraplex.sim.server import simulate_server
 
-        run = simulate_server(trace, profile, profile.engine_config(**overrides), slo)
+        run = simulate_server(trace, profile, profile.engine_config(**overrides), slo, exact=args.exact,
+                              progress=report)
         return run.results, run.summary, {}
     from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 
     cluster = ClusterConfig(servers=args.servers, placement=args.placement, routing=args.routing,
-                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides)
+                            interval_s=args.interval, seed=args.seed, engine_overrides=overrides, exact=args.exact,
+                            keep_results=bool(args.out), progress=report)
     run = simulate_cluster(trace, profile, cluster, slo)
     return run.results, run.summary, run.info
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from loraplex.engine.messages import ExecutorResult, SchedulerOutput
+import numpy as np
+
+from loraplex.engine.messages import DecodeSpan, ExecutorResult, SchedulerOutput
 from loraplex.engine.request import SampledToken
 from loraplex.latency.features import FEATURES, SlotRanks
 from loraplex.latency.profile import Profile
@@ -29,6 +31,7 @@ from loraplex.util.clock import ManualClock
 
 DUMMY_TOKEN = SampledToken(token_id=0)
 _LOAD_TERMS = (FEATURES.index("loads"), FEATURES.index("load_rank_sum"))
+_CONTEXT_TERMS = (FEATURES.index("context_tokens"), FEATURES.index("padded_context"))
 # A job due at t is reported by a step ending at t; the clock adds floats, so an idle step that
 # runs exactly to t may stop an ulp short of it.
 _TIME_EPS = 1e-9
@@ -73,6 +76,7 @@ class SimExecutor:
                 weights[i] = 0.0
             self._w_loads = (0.0, 0.0)
         self._w = tuple(weights)  # in features.FEATURES order
+        self._growing = min(weights[i] for i in _CONTEXT_TERMS) >= 0.0  # a decode span's steps never shorten
         self.page_bytes = profile.page_bytes(block_size or int(profile.engine.get("block_size", 16)))
         self.link = CopyLink()
         self.busy_s = 0.0  # modelled time spent in steps
@@ -95,6 +99,30 @@ class SimExecutor:
         self.busy_s += elapsed
         result.elapsed_s = elapsed
         return result
+
+    def run_span(self, span: DecodeSpan, until: float, strict: bool = False) -> list[float]:
+        """Run the steps of `span` that start at or before `until` (before it, `strict`) and before
+        `span.until`, at least the first; returns their start times. The batch is fixed, so only the
+        context terms move (every decode is one position further on): the steps' latencies are one
+        vector of the step formula and the clock their running sum, bit for bit what running the steps
+        one by one gives, with no per-step Python."""
+        terms = self._terms(SchedulerOutput(chunks=span.chunks), {})
+        first = max(0.0, self._seconds(*terms))
+        now, steps = self.clock.now(), span.steps
+        horizon = min(until, span.until) - now
+        if first > 0.0 and self._growing and horizon < steps * first:  # later steps last no less: build fewer
+            steps = max(1, int(horizon / first) + 2)
+        batch, adapters, rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx, loads, load_rank = terms
+        j = np.arange(steps)
+        seconds = np.maximum(0.0, self._seconds(batch, adapters, rank_sum, max_rank, prefill, prefill_rank,
+                                                context + batch * j, decodes, max_ctx + j, loads, load_rank))
+        clock = np.cumsum(np.concatenate(([now], seconds)))  # sequential sums, as the clock adds them
+        limit = int(np.searchsorted(clock[:-1], until, side="left" if strict else "right"))
+        taken = max(1, min(limit, int(np.searchsorted(clock[:-1], span.until, side="left"))))
+        self.clock.advance_to(float(clock[taken]))
+        for elapsed in seconds[:taken].tolist():
+            self.busy_s += elapsed
+        return clock[:taken].tolist()
 
     def _load_terms(self, output: SchedulerOutput) -> float:
         """The per-load terms alone: what a step without chunks costs under an older profile."""
@@ -135,11 +163,11 @@ class SimExecutor:
         runs once per simulated step (tests check the two agree; keep the sum's order, so results stay
         bit-identical). The same pass fills `sampled` with the token of every chunk that samples.
         With a copy bandwidth in the profile the load terms are zero (`_copies` times the loads)."""
-        (w_intercept, w_batch, w_adapters, w_batch_x_adapters, w_rank_sum, w_batch_x_max_rank, w_prefill,
-         w_prefill_rank, w_context, w_padded_context, w_loads, w_load_rank_sum) = self._w
+        return self._seconds(*self._terms(output, {} if sampled is None else sampled))
+
+    def _terms(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> tuple[int, ...]:
+        """The step's features in `_seconds`' argument order; fills `sampled`."""
         rank_of = self.slots.rank_of
-        if sampled is None:
-            sampled = {}
         rank_sum = max_rank = prefill = prefill_rank = context = decodes = max_ctx = 0
         slots = set()
         for chunk in output.chunks:
@@ -162,13 +190,19 @@ class SimExecutor:
                 decodes += 1
                 if start > max_ctx:
                     max_ctx = start
-        batch, adapters = len(output.chunks), len(slots)
-        loads = output.adapter_loads
         load_rank_sum = 0
-        for load in loads:
+        for load in output.adapter_loads:
             load_rank_sum += load.rank
+        return (len(output.chunks), len(slots), rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx,
+                len(output.adapter_loads), load_rank_sum)
+
+    def _seconds(self, batch, adapters, rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx,
+                 loads, load_rank_sum):  # noqa: ANN001, ANN202 - ints, or numpy arrays for context and max_ctx
+        """The profile's step formula; `context` and `max_ctx` may be arrays (a span's steps)."""
+        (w_intercept, w_batch, w_adapters, w_batch_x_adapters, w_rank_sum, w_batch_x_max_rank, w_prefill,
+         w_prefill_rank, w_context, w_padded_context, w_loads, w_load_rank_sum) = self._w
         return (w_intercept + batch * (w_batch + w_batch_x_adapters * adapters + w_batch_x_max_rank * max_rank)
                 + w_adapters * adapters + w_rank_sum * rank_sum + w_prefill * prefill
                 + w_prefill_rank * prefill_rank + w_context * context
-                + w_padded_context * decodes * max_ctx + w_loads * len(loads)
+                + w_padded_context * decodes * max_ctx + w_loads * loads
                 + w_load_rank_sum * load_rank_sum)

@@ -12,12 +12,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from ddsketch import DDSketch
 
 from loraplex.engine.request import Request
 from loraplex.sim.trace import Trace
 
 STARVATION_FRACTION = 0.9
 PERCENTILES = (50, 90, 95, 99)
+SKETCH_ACCURACY = 0.001  # a streamed percentile is within 0.1% of a value at that rank
 
 
 @dataclass
@@ -114,31 +116,92 @@ def tokens_by(r: RequestResult, t: float) -> float:
     return r.prompt_len + min(r.generated, 1 + (t - r.arrival_s - r.ttft_s) / r.tpot_s)
 
 
+class Tally:
+    """The run summary, request by request: sums, and latency percentiles from a streaming
+    quantile sketch (DDSketch, relative accuracy SKETCH_ACCURACY), so a long run keeps no list of its
+    requests. `exact` keeps the latencies instead (numpy percentiles): for a run's own list of rows."""
+
+    def __init__(self, duration_s: float, slo: Slo | None = None, exact: bool = False) -> None:
+        self.duration_s, self.slo, self.exact = duration_s, slo, exact
+        self.requests = self.finished = self.met = 0
+        self.requested = self.processed = 0  # prompt + output tokens asked for; of started requests, processed
+        self.in_window = 0.0
+        self.latencies = {key: _Quantiles(exact) for key in ("ttft_s", "tpot_s", "e2e_s")}
+        self.servers: dict[str | None, list[float]] = {}  # server -> [tokens asked for, tokens in the window]
+
+    def add(self, r: RequestResult) -> None:
+        self.requests += 1
+        asked, in_window = r.prompt_len + r.output_len, tokens_by(r, self.duration_s)
+        self.requested += asked
+        self.in_window += in_window
+        server = self.servers.setdefault(r.server, [0.0, 0.0])
+        server[0] += asked
+        server[1] += in_window
+        if r.ttft_s is not None:
+            self.processed += r.prompt_len + r.generated
+        if self.slo is not None and self.slo.met(r):
+            self.met += 1
+        if r.finished:
+            self.finished += 1
+            self.latencies["ttft_s"].add(r.ttft_s)
+            self.latencies["e2e_s"].add(r.e2e_s)
+            if r.tpot_s:
+                self.latencies["tpot_s"].add(r.tpot_s)
+
+    def summary(self, elapsed_s: float, offered_tokens: int | None = None) -> Summary:
+        """`offered_tokens`: prompt + output tokens of the whole trace (default: of the requests added)."""
+        duration = self.duration_s
+        offered = (self.requested if offered_tokens is None else offered_tokens) / duration
+        elapsed = max(elapsed_s, duration)
+        in_window = self.in_window / duration
+        return Summary(
+            requests=self.requests, finished=self.finished, duration_s=duration, elapsed_s=elapsed_s,
+            offered_tokens_per_s=offered, throughput_tokens_per_s=self.processed / elapsed,
+            window_throughput_tokens_per_s=in_window, requests_per_s=self.finished / elapsed,
+            starved=in_window < STARVATION_FRACTION * offered,
+            slo_attainment=None if self.slo is None else self.met / max(1, self.requests),
+            **{key: q.percentiles() for key, q in self.latencies.items()})
+
+    @property
+    def starved_servers(self) -> int:
+        """Servers that starve on their own requests (each judged against what it was offered)."""
+        return sum(window < STARVATION_FRACTION * asked for asked, window in self.servers.values())
+
+
+class _Quantiles:
+    def __init__(self, exact: bool) -> None:
+        self.values: list[float] | None = [] if exact else None
+        self.sketch = None if exact else DDSketch(relative_accuracy=SKETCH_ACCURACY)
+
+    def add(self, value: float) -> None:
+        if self.values is not None:
+            self.values.append(value)
+        else:
+            self.sketch.add(value)
+
+    def percentiles(self) -> dict[str, float]:
+        if self.values is not None:
+            return percentiles(self.values)
+        sketch = self.sketch
+        if not sketch.count:
+            return {}
+        out = {f"p{p}": float(sketch.get_quantile_value(p / 100)) for p in PERCENTILES}
+        out["mean"] = float(sketch.avg)
+        return out
+
+
 def summarize(results: Iterable[RequestResult], duration_s: float, elapsed_s: float,
               slo: Slo | None = None, offered_tokens: int | None = None) -> Summary:
     """`offered_tokens`: prompt + output tokens of the whole trace (default: of `results`)."""
-    results = list(results)
-    done = [r for r in results if r.finished]
-    if offered_tokens is None:
-        offered_tokens = sum(r.prompt_len + r.output_len for r in results)
-    offered = offered_tokens / duration_s
-    processed = sum(r.prompt_len + r.generated for r in results if r.ttft_s is not None)
-    elapsed = max(elapsed_s, duration_s)
-    throughput = processed / elapsed
-    in_window = sum(tokens_by(r, duration_s) for r in results) / duration_s
-    return Summary(
-        requests=len(results), finished=len(done), duration_s=duration_s, elapsed_s=elapsed_s,
-        offered_tokens_per_s=offered, throughput_tokens_per_s=throughput, window_throughput_tokens_per_s=in_window,
-        requests_per_s=len(done) / elapsed, starved=in_window < STARVATION_FRACTION * offered,
-        slo_attainment=None if slo is None else sum(slo.met(r) for r in results) / max(1, len(results)),
-        ttft_s=percentiles([r.ttft_s for r in done]), tpot_s=percentiles([r.tpot_s for r in done if r.tpot_s]),
-        e2e_s=percentiles([r.e2e_s for r in done]))
-
+    tally = Tally(duration_s, slo, exact=True)
+    for r in results:
+        tally.add(r)
+    return tally.summary(elapsed_s, offered_tokens)
 
 
 def starved_servers(results: Iterable[RequestResult], duration_s: float) -> int:
     """Servers that starve on their own requests (each judged against what it was offered)."""
-    by_server: dict[str | None, list[RequestResult]] = {}
+    tally = Tally(duration_s, exact=True)
     for r in results:
-        by_server.setdefault(r.server, []).append(r)
-    return sum(summarize(mine, duration_s, duration_s).starved for mine in by_server.values())
+        tally.add(r)
+    return tally.starved_servers

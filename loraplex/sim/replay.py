@@ -7,6 +7,7 @@ exactly alike.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -14,10 +15,13 @@ from functools import lru_cache
 from loraplex.engine.core import EngineCore
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
+from loraplex.sim.executor import SimExecutor
+from loraplex.sim.spans import step
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 
 Prompt = Callable[[TraceRequest], list[int]]
+PROGRESS_EVERY = 1024  # arrivals between two progress reports
 WaitUntil = Callable[[float], None]
 
 
@@ -26,10 +30,13 @@ def check_fits(trace: Trace, max_model_len: int, max_lora_rank: int) -> None:
     longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
     if longest > max_model_len:
         raise ValueError(f"the trace has a request of {longest} tokens but the engine's max_model_len is "
-                         f"{max_model_len}; generate it with lengths.max_model_len <= {max_model_len}")
+                         f"{max_model_len}; generate it with `loraplex workload generate --max-model-len "
+                         f"{max_model_len}` (lengths.max_model_len in a spec)")
     top = max((r.rank for r in trace.requests), default=0)
     if top > max_lora_rank:
-        raise ValueError(f"the trace has rank-{top} adapters but the engine's max_lora_rank is {max_lora_rank}")
+        raise ValueError(f"the trace has rank-{top} adapters but the engine's max_lora_rank is {max_lora_rank}; "
+                         f"generate it with `loraplex workload generate --max-rank {max_lora_rank}` "
+                         "(adapters.ranks in a spec)")
 
 
 def sim_adapter_id(name: str) -> AdapterId:
@@ -66,8 +73,11 @@ class ReplayLog:
 
 
 def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Prompt,
-           wait_until: WaitUntil, horizon_s: float | None = None) -> ReplayLog:
-    """Run `trace` to completion, or until `horizon_s` of trace time has passed."""
+           wait_until: WaitUntil, horizon_s: float | None = None, spans: SimExecutor | None = None,
+           progress: Callable[[float], None] | None = None) -> ReplayLog:
+    """Run `trace` to completion, or until `horizon_s` of trace time has passed. With `spans` (the
+    twin's executor of `core`), plain decode steps between two arrivals run at once (`sim.spans`).
+    `progress` is told the trace time every PROGRESS_EVERY arrivals."""
     clock = core.clock
     origin = clock.now()
     pending = trace.requests
@@ -83,9 +93,18 @@ def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Pr
             core.add_request(request)
             admitted.append(request)
             i += 1
+            if progress is not None and i % PROGRESS_EVERY == 0:
+                progress(r.arrival_s)
         if core.has_unfinished():
-            steps = core.num_steps
-            if not core.step() and core.num_steps == steps and core.has_unfinished():
+            if spans is None:
+                steps = core.num_steps
+                moved = bool(core.step()) or core.num_steps != steps
+            else:
+                until = origin + pending[i].arrival_s if i < n else math.inf
+                if horizon_s is not None:
+                    until = min(until, origin + horizon_s)
+                moved = step(core, spans, until, strict=True) is not None
+            if not moved and core.has_unfinished():
                 raise RuntimeError("the engine admits none of its waiting requests while idle")
         elif i < n:
             wait_until(origin + pending[i].arrival_s)

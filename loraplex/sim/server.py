@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
@@ -34,10 +35,10 @@ class ServerRun:
 
 
 def sim_prompt(request: TraceRequest) -> list[int]:
-    """Token ids of no meaning but unique to the request: a trace has no content, so no two of its
-    requests may share a cached prefix."""
-    start = (zlib.crc32(request.request_id.encode()) + 1) << 24
-    return list(range(start, start + request.prompt_len))
+    """Token ids of no meaning whose first block is unique to the request: a trace has no content, so no
+    two of its requests may share a cached prefix (a prefix path starts at the first block, so the
+    rest can be one shared id: a long run's prompts and cached blocks hold no per-token objects)."""
+    return [(zlib.crc32(request.request_id.encode()) + 1) << 24] + [0] * (request.prompt_len - 1)
 
 
 def make_sim_engine(profile: Profile, config: EngineConfig | None = None) -> tuple[EngineCore, ManualClock]:
@@ -56,7 +57,10 @@ def make_sim_engine(profile: Profile, config: EngineConfig | None = None) -> tup
 
 
 def simulate_server(trace: Trace, profile: Profile, config: EngineConfig | None = None,
-                    slo: Slo | None = None, horizon_s: float | None = None) -> ServerRun:
+                    slo: Slo | None = None, horizon_s: float | None = None, exact: bool = False,
+                    progress: Callable[[float], None] | None = None) -> ServerRun:
+    """`exact`: run every step through the engine (the reference); by default spans of plain decode
+    steps run at once (`sim.spans`). `progress` is told the trace time now and then."""
     core, clock = make_sim_engine(profile, config)
     check_fits(trace, core.config.max_model_len, core.config.max_lora_rank)
     ids = register_adapters(core, trace.adapters())
@@ -65,7 +69,7 @@ def simulate_server(trace: Trace, profile: Profile, config: EngineConfig | None 
         clock.advance(max(0.0, t - clock.now()))
 
     with cyclic_gc_paused():
-        log = replay(core, trace, ids, sim_prompt, jump, horizon_s)
+        log = replay(core, trace, ids, sim_prompt, jump, horizon_s, None if exact else core.executor, progress)
     results = [result_of(req, log.origin, req.adapter.name if req.adapter else None) for req in log.requests]
     summary = summarize(results, trace_duration(trace), log.end - log.origin, slo, offered_tokens(trace))
     return ServerRun(results, summary, core.stats())

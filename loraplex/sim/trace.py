@@ -16,7 +16,7 @@ from typing import Any
 TRACE_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a long trace holds millions of them
 class TraceRequest:
     request_id: str
     arrival_s: float
@@ -68,15 +68,19 @@ def write_trace(trace: Trace, path: str | Path) -> None:
 
 
 def read_trace(path: str | Path) -> Trace:
+    """Line by line (a long trace is never held as text); adapter names are interned, so a million
+    requests of a thousand adapters hold a thousand names."""
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    if not lines:
-        raise ValueError(f"{path}: empty trace file")
-    header = _parse(lines[0], path, 1)
-    if header.get("trace_version") != TRACE_VERSION:
-        raise ValueError(f"{path}: line 1 must be a header with trace_version {TRACE_VERSION}")
-    return Trace([_request(_parse(line, path, n), path, n) for n, line in enumerate(lines[1:], start=2)],
-                 header.get("workload", {}))
+        lines = (line for line in f if line.strip())
+        first = next(lines, None)
+        if first is None:
+            raise ValueError(f"{path}: empty trace file")
+        header = _parse(first, path, 1)
+        if header.get("trace_version") != TRACE_VERSION:
+            raise ValueError(f"{path}: line 1 must be a header with trace_version {TRACE_VERSION}")
+        names: dict[str, str] = {}
+        requests = [_request(_parse(line, path, n), path, n, names) for n, line in enumerate(lines, start=2)]
+    return Trace(requests, header.get("workload", {}))
 
 
 def _parse(line: str, path: str | Path, number: int) -> dict[str, Any]:
@@ -89,9 +93,11 @@ def _parse(line: str, path: str | Path, number: int) -> dict[str, Any]:
     return value
 
 
-def _request(row: dict[str, Any], path: str | Path, number: int) -> TraceRequest:
+def _request(row: dict[str, Any], path: str | Path, number: int, names: dict[str, str]) -> TraceRequest:
+    adapter = row.get("adapter")
     try:
-        return TraceRequest(str(row["request_id"]), float(row["arrival_s"]), row.get("adapter"),
+        return TraceRequest(str(row["request_id"]), float(row["arrival_s"]), names.setdefault(adapter, adapter)
+                            if isinstance(adapter, str) else adapter,
                             int(row.get("rank", 0)), int(row["prompt_len"]), int(row["output_len"]))
     except KeyError as exc:
         raise ValueError(f"{path}:{number}: missing field {exc}") from None

@@ -36,3 +36,9 @@ class ManualClock:
         if seconds < 0:
             raise ValueError("a clock cannot go back")
         self._now += seconds
+
+    def advance_to(self, t: float) -> None:
+        """Move to `t` exactly (a sum of steps taken at once lands where adding them one by one would)."""
+        if t < self._now:
+            raise ValueError("a clock cannot go back")
+        self._now = t

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from loraplex.engine.memory.adapter_residency import LruResidency
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
@@ -31,6 +33,25 @@ def test_an_eviction_takes_the_least_recently_used_unpinned_slot():
     slots.release(a)
     grant = slots.acquire(c)
     assert (grant.slot, grant.loaded, grant.evicted) == (0, True, a)
+
+
+def test_whether_a_slot_can_be_had_follows_the_pins_of_resident_adapters():
+    adapters = ids(*"abcdef")
+    slots, rng, pins = LruResidency(3), random.Random(0), {a: 0 for a in adapters}
+    for _ in range(2000):  # against the definition: a free slot, or a resident adapter with no pin
+        a = rng.choice(adapters)
+        if pins[a] and rng.random() < 0.5:
+            slots.release(a)
+            pins[a] -= 1
+        elif rng.random() < 0.1:
+            if slots.retire(a) is not None:
+                assert pins[a] == 0
+        else:
+            resident = slots.resident()
+            expect = a in resident or len(resident) < 3 or any(not pins[r] for r in resident)
+            assert slots.can_acquire(a) == expect
+            assert (slots.acquire(a) is not None) == expect
+            pins[a] += expect
 
 
 def test_token_slices_match_the_whole_sequence():

@@ -48,6 +48,28 @@ def test_cluster_mode_runs_the_router_and_placement(tmp_path, capsys):
     assert sum(doc["requests_per_server"]) == doc["summary"]["requests"]
 
 
+def test_the_default_workload_is_fitted_to_a_profile_by_the_flag_sim_run_names(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "generate", "--duration", "60", "--out", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["sim", "run", "--trace", str(trace), "--profile", "whatif-h100-llama8b"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "--max-rank 32" in error
+    assert main(["workload", "generate", "--duration", "60", "--max-rank", "32", "--max-model-len", "2048",
+                 "--out", str(trace)]) == 0
+    fitted = read_trace(trace)
+    assert max(r.rank for r in fitted.requests) <= 32
+    assert max(r.prompt_len + r.output_len for r in fitted.requests) <= 2048
+    capsys.readouterr()
+    docs = []
+    for profile, mode in (("whatif-h100-llama8b", []), ("cpu-tiny", []), ("cpu-tiny", ["--exact"])):
+        assert main(["sim", "run", "--trace", str(trace), "--profile", profile, "--json", *mode]) == 0
+        docs.append(json.loads(capsys.readouterr().out)["summary"])
+    assert docs[1] == docs[2]  # the fast mode is the exact one, step for step
+    assert main(["workload", "generate", "--max-rank", "4", "--out", str(trace)]) == 2
+    assert "--max-rank 4" in capsys.readouterr().err
+
+
 def test_bad_input_gets_a_clear_error(tmp_path, capsys):
     assert main(["sim", "run", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err

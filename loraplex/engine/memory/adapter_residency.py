@@ -29,23 +29,27 @@ class LruResidency:
         self.num_slots = num_slots
         self._slots: OrderedDict[AdapterId, int] = OrderedDict()  # LRU order, oldest first
         self._pins: dict[AdapterId, int] = {}
+        self._pinned = 0  # resident adapters with pins: when all are, no slot can be had (no scan)
         self._free_slots = list(range(num_slots))  # a min-heap: the lowest free slot is taken first
 
     def acquire(self, adapter: AdapterId) -> SlotGrant | None:
         if adapter in self._slots:
             self._slots.move_to_end(adapter)
-            self._pins[adapter] = self._pins.get(adapter, 0) + 1
+            pins = self._pins.get(adapter, 0)
+            self._pinned += pins == 0
+            self._pins[adapter] = pins + 1
             return SlotGrant(self._slots[adapter], loaded=False)
         free = heapq.heappop(self._free_slots) if self._free_slots else None
         evicted = None
         if free is None:
-            victim = next((a for a in self._slots if not self._pins.get(a)), None)
-            if victim is None:
+            if self._pinned == len(self._slots):
                 return None
+            victim = next(a for a in self._slots if not self._pins.get(a))
             free = self._slots.pop(victim)
             evicted = victim
         self._slots[adapter] = free
         self._pins[adapter] = 1
+        self._pinned += 1
         return SlotGrant(free, loaded=True, evicted=evicted)
 
     def release(self, adapter: AdapterId) -> None:
@@ -53,11 +57,10 @@ class LruResidency:
         if pins < 0:
             raise ValueError(f"adapter {adapter} released more often than acquired")
         self._pins[adapter] = pins
+        self._pinned -= pins == 0 and adapter in self._slots
 
     def can_acquire(self, adapter: AdapterId) -> bool:
-        if adapter in self._slots or self._free_slots:
-            return True
-        return any(not self._pins.get(a) for a in self._slots)
+        return adapter in self._slots or bool(self._free_slots) or self._pinned < len(self._slots)
 
     def slot_of(self, adapter: AdapterId) -> int | None:
         return self._slots.get(adapter)

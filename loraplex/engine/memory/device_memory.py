@@ -8,7 +8,7 @@ copies and evictions to every step's output.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from loraplex.engine.memory.stats import MemoryStats
@@ -83,6 +83,12 @@ class DeviceMemory(Protocol):
 
     def on_result(self, result: ExecutorResult) -> None:
         """Background copies that finished become usable."""
+
+    def quiet_until(self) -> float:
+        """Until when steps that only decode leave the policy nothing to do (the twin's decode spans)."""
+
+    def note_decode_steps(self, starts: Sequence[float], num_running: int) -> None:
+        """Plain decode steps ran at once, starting at `starts`: record what each step's upkeep would."""
 
     @property
     def copies_in_flight(self) -> bool: ...

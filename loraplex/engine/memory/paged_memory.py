@@ -14,7 +14,8 @@ says which adapters live in the pool, how they are copied in and in which order 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from itertools import count
 
 from loraplex.engine.config import EngineConfig
@@ -407,6 +408,15 @@ class PagedMemory:
 
     def _upkeep(self, num_running: int) -> None:
         """Background work a policy does every step (the swapper)."""
+
+    def quiet_until(self) -> float:
+        """Until when steps that only decode leave the policy nothing to do (no copy in flight, no
+        adapter waiting to be unloaded); a policy with clock-driven upkeep says when it next acts."""
+        return -math.inf if self._jobs or self._retiring else math.inf
+
+    def note_decode_steps(self, starts: Sequence[float], num_running: int) -> None:
+        """Steps of plain decodes ran at once (`BatchScheduler.advance_decodes`), starting at `starts`
+        with `num_running` requests: what the upkeep of each would have recorded."""
 
     def on_result(self, result: ExecutorResult) -> None:
         for job in result.copies_done:

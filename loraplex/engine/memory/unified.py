@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplex.engine.config import EngineConfig
@@ -100,9 +101,7 @@ class UnifiedMemory(PagedMemory):
 
     def _upkeep(self, num_running: int) -> None:
         now = self.clock.now()
-        self._batch_sizes.append((now, num_running))
-        while self._batch_sizes and self._batch_sizes[0][0] < now - self.options.batch_window_s:
-            self._batch_sizes.popleft()
+        self._note_batch(now, num_running)
         if now < self._next_tick:
             return
         self._next_tick = now + self.options.interval_s
@@ -111,6 +110,18 @@ class UnifiedMemory(PagedMemory):
             self._make_room(math.ceil((usage - self.options.busy) * self.pool.num_pages))
         elif usage < self.options.idle:
             self._prefetch()
+
+    def _note_batch(self, now: float, num_running: int) -> None:
+        self._batch_sizes.append((now, num_running))
+        while self._batch_sizes and self._batch_sizes[0][0] < now - self.options.batch_window_s:
+            self._batch_sizes.popleft()
+
+    def quiet_until(self) -> float:
+        return min(super().quiet_until(), self._next_tick)
+
+    def note_decode_steps(self, starts: Sequence[float], num_running: int) -> None:
+        for now in starts:
+            self._note_batch(now, num_running)
 
     def _prefetch(self) -> None:
         """Bring back, best first, what the host tier holds, while usage stays at most `busy`."""

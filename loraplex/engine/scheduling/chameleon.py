@@ -617,6 +617,14 @@ class ChameleonScheduler(BatchScheduler):
 
     # ---- queue configuration ------------------------------------------------------------------
 
+    def quiet_until(self) -> float:
+        """Aged queues and refreshes act on the clock: no span while requests wait, none past the
+        next refresh or load-shift check."""
+        if self.num_waiting or self._next_refresh is None or self._config_samples < self.options.min_samples <= len(
+                self._samples):
+            return -math.inf
+        return min(self._next_refresh, self._next_shift_check)
+
     def _maybe_refresh(self, now: float) -> None:
         options = self.options
         if self._next_refresh is None:

@@ -24,8 +24,9 @@ work-conserving policy keeps these counters at zero.
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from loraplex.engine.config import EngineConfig
@@ -33,6 +34,7 @@ from loraplex.engine.memory.device_memory import DeviceMemory
 from loraplex.engine.memory.kv_cache import blocks_for
 from loraplex.engine.messages import (
     NO_ADAPTER_SLOT,
+    DecodeSpan,
     ExecutorResult,
     RequestOutput,
     ScheduledChunk,
@@ -40,13 +42,17 @@ from loraplex.engine.messages import (
 )
 from loraplex.engine.options import options_for
 from loraplex.engine.output.stopping import finish_reason
-from loraplex.engine.request import FinishReason, Request, RequestStatus
+from loraplex.engine.request import FinishReason, Request, RequestStatus, SampledToken
 from loraplex.engine.scheduling.stats import IdleCapacity, QueueStats, SchedulerStats
 from loraplex.spec.adapter import AdapterId
 from loraplex.util.clock import Clock
 
 RankOf = Callable[[AdapterId], int]
 ADMISSION_LIMITS = ("budget", "seats", "kv", "adapter", "policy")
+# Limits that hold, unchanged, while the batch only decodes: its seats stay taken, and an adapter
+# refused a slot stays refused (a budget spent on prefill chunks frees up, a refused first chunk may
+# have evicted cache, and a policy's own order may change: those are not steady).
+_STEADY_LIMITS = frozenset(("seats", "adapter"))
 
 
 class Scheduler(Protocol):
@@ -63,6 +69,11 @@ class Scheduler(Protocol):
     def retire_adapter(self, adapter: AdapterId) -> None: ...
 
     def has_unfinished(self) -> bool: ...
+
+    def decode_span(self, token_id: int) -> DecodeSpan | None:
+        """The next steps that only decode an unchanged batch, for an executor that runs them at once."""
+
+    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> None: ...
 
     def stats(self) -> SchedulerStats:
         """A snapshot for metrics; cheap enough to take every second, not every step."""
@@ -110,6 +121,8 @@ class BatchScheduler:
         self._refused: Admit | None = None  # the last refusal of this step's admissions
         self._tried: set[str] = set()  # waiting requests an admission was tried on this step
         self.idle = IdleCapacity()
+        self._stalled: str | None = None  # the limit of the last step when it admitted none and nothing moved
+        self._idle_step: tuple[int, int, str] | None = None  # what the last step left idle, if anything
 
     # ---- the waiting requests: a policy's own structure ----------------------------------------
 
@@ -147,6 +160,7 @@ class BatchScheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
+        self._stalled = None  # not tried yet
         self.requests[request.request_id] = request
         self._waiting_adapters[request.adapter] += 1
         self._enqueue(request)
@@ -155,6 +169,7 @@ class BatchScheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        self._stalled = None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -171,6 +186,7 @@ class BatchScheduler:
         out = SchedulerOutput(chunks=[], adapter_loads=[], adapter_evictions=[],
                               finished_request_ids=self._finished, preempted_request_ids=[])
         self._finished = []
+        self._stalled = None
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if out.preempted_request_ids:
             if self.num_waiting:
@@ -178,12 +194,93 @@ class BatchScheduler:
         elif self.num_waiting:
             self._refused = None
             self._tried.clear()
+            num_running = len(out.chunks)
             self._schedule_waiting(out, budget)
             if self.num_waiting:
-                self.admission_limits[self._admission_limit(out)] += 1
+                limit = self._admission_limit(out)
+                self.admission_limits[limit] += 1
                 self._count_idle(out)
+                if len(out.chunks) == num_running and limit in _STEADY_LIMITS:
+                    self._stalled = limit
         self.memory.drain(out, len(self.running))
+        if self._stalled is not None and (out.adapter_loads or out.adapter_evictions or out.kv_swap_out
+                                          or out.kv_swap_in):
+            self._stalled = None
         return out
+
+    # ---- the twin's shortcut: a span of plain decode steps at once ------------------------------
+
+    def quiet_until(self) -> float:
+        """Until when the policy takes no decision of its own while the batch only decodes; a policy
+        that acts on the clock says when it next does."""
+        return math.inf
+
+    def decode_span(self, token_id: int) -> DecodeSpan | None:
+        """The steps from now on that change nothing but positions, when every decode samples
+        `token_id`: each running request decodes one token and none finishes before the last of them,
+        no request is admitted (none waits, or the last step's admissions stopped at a steady limit),
+        preempted or waits on a copy, and the new KV blocks fit in the free pages. None when the next
+        step is not one of them. The real engine never asks; the twin times a span at once and applies
+        it with `advance_decodes`."""
+        running = self.running
+        if not running or (self.num_waiting and self._stalled is None):
+            return None
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        until = min(self.quiet_until(), self.memory.quiet_until())
+        if until <= self.clock.now():
+            return None
+        steps = self.config.max_model_len
+        for request in running:
+            num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
+            if (not num_output or request.num_computed_tokens != num_prompt + num_output - 1
+                    or not _repeats(request, token_id)):
+                return None
+            steps = min(steps, request.sampling.max_tokens - num_output - 1,
+                        self.config.max_model_len - num_prompt - num_output - 1)
+        steps = self._steps_that_fit(steps)
+        if steps < 1:
+            return None
+        chunks = [self._chunk(r, r.num_computed_tokens, 1, len(r.prompt_token_ids), len(r.output_token_ids))
+                  for r in running]
+        return DecodeSpan(chunks, steps, until)
+
+    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> None:
+        """Apply `steps` steps of the span `decode_span` gave (at most its `steps`): what as many
+        `schedule` / `update` rounds would do, each decode sampling `token`; `starts` are the clock
+        readings the steps start at."""
+        allocate, token_ids, tokens = self.memory.allocate, [token.token_id] * steps, [token] * steps
+        for request in self.running:
+            if not allocate(request, steps):
+                raise RuntimeError(f"request {request.request_id!r} lost its KV room inside a decode span")
+            request.num_computed_tokens += steps
+            request.output_token_ids.extend(token_ids)
+            request.output_logprobs.extend(tokens)
+            self._on_decoded(request, steps)
+        if self._stalled is not None:
+            self.admission_limits[self._stalled] += steps
+            if self._idle_step is not None:  # each step of the span leaves what the last one left idle
+                self.idle.add(*self._idle_step, steps=steps)
+        self.memory.note_decode_steps(starts, len(self.running))
+
+    def _on_decoded(self, request: Request, steps: int) -> None:
+        """`request` decoded `steps` tokens in a span: policies that count tokens count them here."""
+
+    def _steps_that_fit(self, steps: int) -> int:
+        """The most of `steps` decode steps whose new KV blocks fit in the free pages (a binary search:
+        the pages needed grow with the steps)."""
+        free, size, running = self.memory.num_free_pages, self.config.block_size, self.running
+
+        def needed(k: int) -> int:
+            return sum(max(0, blocks_for(r.num_computed_tokens + k, size) - len(r.block_ids)) for r in running)
+
+        if needed(steps) <= free:
+            return steps
+        low, high = 0, steps  # needed(low) fits, needed(high) does not
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if needed(mid) <= free else (low, mid)
+        return low
 
     def _admission_limit(self, out: SchedulerOutput) -> str:
         """What ended this step's admissions while requests still wait (one of ADMISSION_LIMITS)."""
@@ -198,13 +295,15 @@ class BatchScheduler:
     def _count_idle(self, out: SchedulerOutput) -> None:
         """Count this step in `idle` if it ends with a free seat and unused budget while a waiting
         request fits (see the module's docstring)."""
+        self._idle_step = None
         seats = self.config.max_num_seqs - len(self.running)
         tokens = self.config.max_num_batched_tokens - sum(c.num_tokens for c in out.chunks)
         if seats <= 0 or tokens <= 0:
             return
         fitting = next((r for r in self._waiting_requests() if self._fits(r, tokens)), None)
         if fitting is not None:
-            self.idle.add(seats, tokens, self._held_reason(fitting))
+            self._idle_step = (seats, tokens, self._held_reason(fitting))
+            self.idle.add(*self._idle_step)
 
     def _fits(self, request: Request, budget: int) -> bool:
         """The engine would start `request` now: untried this step, its adapter ready, the pages of its
@@ -230,6 +329,7 @@ class BatchScheduler:
         # Runs once per sequence per step, hence the locals and the token bookkeeping written inline.
         if result.copies_done:
             self.memory.on_result(result)
+            self._stalled = None
         outputs = []
         now = self.clock.now()
         requests, running, sampled = self.requests, RequestStatus.RUNNING, result.sampled
@@ -257,6 +357,7 @@ class BatchScheduler:
                                          num_cached_tokens=request.num_cached_tokens))
         if finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if r.status is running]
+            self._stalled = None  # seats and slots came free
         return outputs
 
     # ---- scheduling -------------------------------------------------------------------------
@@ -389,6 +490,13 @@ class BatchScheduler:
         oldest = min((r.arrival_time for r in waiting), default=now)
         return QueueStats(index=index, upper_boundary=upper, length=len(waiting),
                           head_wait_s=max(0.0, now - oldest), **extra)
+
+
+def _repeats(request: Request, token_id: int) -> bool:
+    """Whether sampling `token_id` again and again leaves `request` running until its length limit."""
+    sampling = request.sampling
+    return (not sampling.json_object and token_id not in sampling.stop_token_ids
+            and (sampling.ignore_eos or token_id not in request.eos_token_ids))
 
 
 class FifoScheduler(BatchScheduler):

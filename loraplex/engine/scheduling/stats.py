@@ -38,11 +38,11 @@ class IdleCapacity:
     tokens: int = 0  # unused budget tokens summed over those steps
     reasons: dict[str, int] = field(default_factory=dict)  # steps by why the policy held the request
 
-    def add(self, seats: int, tokens: int, reason: str) -> None:
-        self.steps += 1
-        self.seats += seats
-        self.tokens += tokens
-        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+    def add(self, seats: int, tokens: int, reason: str, steps: int = 1) -> None:
+        self.steps += steps
+        self.seats += seats * steps
+        self.tokens += tokens * steps
+        self.reasons[reason] = self.reasons.get(reason, 0) + steps
 
     def snapshot(self) -> IdleCapacity:
         return IdleCapacity(self.steps, self.seats, self.tokens, dict(self.reasons))

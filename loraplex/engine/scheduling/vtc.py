@@ -118,6 +118,9 @@ class VtcScheduler(BatchScheduler):
                     counters[request.adapter] += weight
         return super().update(output, result)
 
+    def _on_decoded(self, request: Request, steps: int) -> None:
+        self.counters[request.adapter] += self.options.output_weight * steps
+
     def _on_finished(self, request: Request) -> None:
         self._order.pop(request.request_id, None)
         self._charged.discard(request.request_id)
