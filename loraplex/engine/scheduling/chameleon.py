@@ -396,20 +396,26 @@ class ChameleonScheduler(BatchScheduler):
                 where = SPARE
             else:
                 where = q
-            if where is None:
+            if where is None or (not self._start(entry, q, where, charge, out, step) and step.stopped):
                 return
-            admit = self._admit_entry(entry, q, out, step)
-            if admit is Admit.OK:
-                self.queues[q].remove(entry)
-                self._borrow(entry, where, 0 if where == IDLE else charge)
-                self.num_idle_admissions += where == IDLE
-                if q in self._blocked and self._blocked[q].entry is entry:
-                    self._unblock(q)
-            elif admit is Admit.NO_KV:
-                step.stopped = True
-                return
-            elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
-                self._block(q, entry)  # a head without adapter memory: it may come to hold a reservation
+
+    def _start(self, entry: _Entry, q: int, where: int, charge: int, out: SchedulerOutput, step: _Step) -> bool:
+        """Admit `entry` of queue `q`, charging `where`. When it cannot start: a refusal for KV pages
+        ends the step's admissions, and a queue head without adapter memory is blocked (it may come
+        to hold a reservation)."""
+        admit = self._admit_entry(entry, q, out, step)
+        if admit is Admit.OK:
+            self.queues[q].remove(entry)
+            self._borrow(entry, where, 0 if where == IDLE else charge)
+            self.num_idle_admissions += where == IDLE
+            if q in self._blocked and self._blocked[q].entry is entry:
+                self._unblock(q)
+            return True
+        if admit is Admit.NO_KV:
+            step.stopped = True
+        elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
+            self._block(q, entry)
+        return False
 
     def _put(self, q: int, avail_tokens: int, avail_seats: int, where: int, out: SchedulerOutput,
              step: _Step) -> tuple[int, int]:
@@ -594,16 +600,8 @@ class ChameleonScheduler(BatchScheduler):
                 if victims is None:
                     continue
                 self._squash(victims, out, step)
-            admit = self._admit_entry(entry, q, out, step)
-            if admit is Admit.OK:
-                queue.popleft()
-                self._borrow(entry, q, charge)
-                self._unblock(q)
-            elif admit is Admit.NO_KV:
-                step.stopped = True
+            if not self._start(entry, q, q, charge, out, step) and step.stopped:
                 return
-            elif self.queues[q][0] is entry and not self.gate.loading(entry.request.adapter):
-                self._block(q, entry)  # a head without adapter memory: it may come to hold a reservation
 
     def _squash(self, victims: list[Request], out: SchedulerOutput, step: _Step) -> None:
         """Stop running bypassers so the head they passed can start; their chunks leave this step."""
