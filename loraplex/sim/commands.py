@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplex.spec.engine_settings import add_engine_settings
 from loraplex.spec.errors import CommandError
 from loraplex.util.args import existing_dir, existing_file
+
+if TYPE_CHECKING:  # the workload module loads only when a command runs
+    from loraplex.sim.workload import WorkloadSpec
 
 
 def read_mapping(path: str, flag: str) -> dict:
