@@ -140,7 +140,7 @@ def schedulers(run: GpuRun, out: dict[str, Any], pool: int, engine: dict[str, An
     side = BenchSide(args, run, pool, engine, trace.adapters())
     try:
         side.calibrate(block, trace)
-        scheduler_compare.sweep(block, side.run_at(trace, "unified", block.slo_ttft_s), list(SCHEDULERS),
+        scheduler_compare.sweep(block, side.run_at(trace, "unified"), list(SCHEDULERS),
                                 [s.sched_load], search=False)
     finally:
         side.close()
@@ -158,14 +158,14 @@ class BenchSide(EngineSide):
                  ranks: dict[str, int]) -> None:
         super().__init__(args, run.model_dir(), {}, pool, None, run.config.vocab_size)
         self.run = run
-        self.engine = engine
+        self.settings = engine  # the run's engine settings (`engine` is the base class's context manager)
         self.ranks = ranks
         self.current: Bench | None = None
 
     def llm(self, scheduler: str, policy: str) -> tuple[Any, dict]:
         self.close()
         bench = self.run.bench(self.num_blocks, True, scheduler=scheduler,
-                               scheduler_options=self.options.get(scheduler, {}), memory_policy=policy, **self.engine)
+                               scheduler_options=self.options.get(scheduler, {}), memory_policy=policy, **self.settings)
         ids = bench.add_adapters(list(self.ranks.values()), names=list(self.ranks))
         self.current = bench
         return bench, dict(zip(self.ranks, ids, strict=True))

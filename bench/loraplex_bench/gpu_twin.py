@@ -123,9 +123,14 @@ def scheduler_errors(run: GpuRun, profile: Profile) -> list[dict[str, Any]]:
     args = run.shared["scheduler_args"]
     args.host_blocks = run.shared["engine"]["num_host_blocks"]
     twin = scheduler_compare.TwinSide(at_pool(profile, run.shared["pool"]), args, block.memory_policy)
-    run_at = twin.run_at(trace, block.slo_ttft_s)
-    return [_errors(real.scheduler, asdict(real), asdict(run_at(real.scheduler, real.rps)),
-                    ("ttft_p50_s", "ttft_p99_s")) for real in block.runs]
+    run_at = twin.run_at(trace)
+
+    def in_twin(real: scheduler_compare.RunResult) -> dict[str, Any]:
+        return asdict(scheduler_compare.measure([run_at(real.scheduler, real.rps)], real.scheduler, real.rps,
+                                                block.slo_ttft_s))
+
+    return [_errors(real.scheduler, asdict(real), in_twin(real), ("ttft_p50_s", "ttft_p99_s"))
+            for real in block.runs]
 
 
 def _errors(name: str, real: dict[str, Any], twin: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
