@@ -90,10 +90,10 @@ def create_app(store: RoutingStore, settings: RouterSettings, services: Sequence
         try:
             key = settings.keys.authenticate(request.headers.get("authorization"))
             raw = await _read_body(request, settings.max_request_bytes)
-            body = _parse_body(raw, request.headers.get("content-type", ""))
+            body = parse_body(raw, request.headers.get("content-type", ""))
             model = body["model"]
-            snapshot = _ready(cache.snapshot)
-            adapter = _resolve(snapshot, model)
+            snapshot = ready_snapshot(cache.snapshot)
+            adapter = resolve_adapter(snapshot, model)
             label = model
             settings.keys.check(key, adapter, model)
             payload, stream, wants_usage = prepare_body(body, raw)
@@ -165,7 +165,7 @@ _JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", str: "a st
                dict: "an object"}
 
 
-def _parse_body(raw: bytes, content_type: str) -> dict:
+def parse_body(raw: bytes, content_type: str) -> dict:
     """The request as JSON, refused (400) as the agents refuse it: a body not sent as JSON, not an
     object, without a string `model`, or with a `stream` that is not a boolean (it decides how the
     answer comes back, so the router reads it)."""
@@ -191,13 +191,13 @@ def _parse_body(raw: bytes, content_type: str) -> dict:
     return body
 
 
-def _ready(snapshot: Snapshot) -> Snapshot:
+def ready_snapshot(snapshot: Snapshot) -> Snapshot:
     if snapshot.taken_at <= 0:
         raise OverloadedError("the router has not read the routing table yet", code="not_ready")
     return snapshot
 
 
-def _resolve(snapshot: Snapshot, model: str) -> str | None:
+def resolve_adapter(snapshot: Snapshot, model: str) -> str | None:
     """The adapter a model name means, or None for the base model."""
     if snapshot.knows(model):
         return model

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplex.spec.errors import LoraplexError, OverloadedError
-from loraplex_router.app import _parse_body, _ready, _resolve
+from loraplex_router.app import parse_body, ready_snapshot, resolve_adapter
 from loraplex_router.auth import KeyRing
 from loraplex_router.errors import RequestTooLargeError
 from loraplex_router.extproc.endpoints import Endpoints
@@ -54,7 +54,7 @@ class Decider:
         """Raises LoraplexError with the status the gateway should answer. `raw` None: a request without
         a body (it goes to a server of the base model)."""
         key = self.keys.authenticate(headers.get("authorization"))
-        snapshot = _ready(self.snapshot())
+        snapshot = ready_snapshot(self.snapshot())
         proxy = self.proxy()
         fwd, rewritten = self._forward(snapshot, proxy, headers, raw, arrived_at)
         self.keys.check(key, fwd.adapter, fwd.model)
@@ -79,12 +79,12 @@ class Decider:
         if raw is None:
             model = snapshot.base_model or ""
             return Forward(path, b"", model, None, False, False, arrived_at), False
-        original, body = raw, _parse_body(raw, headers.get("content-type", ""))
+        original, body = raw, parse_body(raw, headers.get("content-type", ""))
         rewrite = next((headers[h] for h in MODEL_REWRITE if headers.get(h)), None)
         if rewrite is not None and rewrite != body["model"]:
             body = {**body, "model": rewrite}
             raw = json.dumps(body, separators=(",", ":")).encode()
-        adapter = _resolve(snapshot, body["model"])
+        adapter = resolve_adapter(snapshot, body["model"])
         payload, stream, wants_usage = prepare_body(body, raw)
         fwd = Forward(path, payload, body["model"], adapter, stream, wants_usage, arrived_at,
                       proxy.prefix_keys(snapshot, adapter, body))
