@@ -1,6 +1,6 @@
 """Session fixtures shared by every test area.
 
-- `tiny_model`: a TinyModel (loraplex_agent.tiny_model) with 8 adapters of ranks 8, 16, 32, 64
+- `tiny_model`: a TinyModel (loraplex_agent.tools.tiny_model) with 8 adapters of ranks 8, 16, 32, 64
   (cycled: lora00-r8, lora01-r16, lora02-r32, lora03-r64, lora04-r8, ...), built once per session.
   Treat it as read-only; copy an adapter folder (shutil.copytree) before changing it.
 - `redis_server`: URL (redis://127.0.0.1:PORT/0) of a real redis-server, no persistence, one per session.
@@ -57,7 +57,7 @@ def port_in_use(free_port) -> Iterator[int]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
-    from loraplex_agent.tiny_model import make_tiny_model
+    from loraplex_agent.tools.tiny_model import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-model")
     return make_tiny_model(out, num_adapters=TINY_MODEL_ADAPTERS, ranks=TINY_MODEL_RANKS, seed=0)
@@ -67,7 +67,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
 def tiny_alora_model(tmp_path_factory: pytest.TempPathFactory):
     """A tiny model with lora00-r8, lora01-r16 and the activated LoRAs alora00-r8 and alora01-r16
     (the same weights, invoked by `tiny_model.INVOCATION`)."""
-    from loraplex_agent.tiny_model import make_tiny_model
+    from loraplex_agent.tools.tiny_model import make_tiny_model
 
     out = tmp_path_factory.mktemp("tiny-alora-model")
     return make_tiny_model(out, num_adapters=2, ranks=(8, 16), seed=0, alora_adapters=2)

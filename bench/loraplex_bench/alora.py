@@ -4,7 +4,7 @@ and, with the same weights, as standard LoRAs; on a local stack and in the twin.
 The workload: `--sessions` multi-turn chats, all running at once. Each turn sends a user message to
 the base model; once its answer is back, k checker requests (k in `--ks`) go out together, each to
 its own adapter, on the conversation plus the answer plus a user message that starts with the
-checker's invocation (`loraplex_agent.tiny_model.INVOCATION`). The turn (the pipeline) ends with
+checker's invocation (`loraplex_agent.tools.tiny_model.INVOCATION`). The turn (the pipeline) ends with
 the last checker's answer; the next turn then re-sends the conversation. The checkers are
 aloraNN-r8 (activated LoRAs: the base model's KV of the conversation is theirs too) or loraNN-r8
 (the same weights as standard LoRAs: each recomputes the conversation under its own adapter).
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--sessions, --turns, --agents and --rounds must be >= 1")
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-alora-") as tmp:
-        from loraplex_agent.tiny_model import invocation_tokens, make_tiny_model
+        from loraplex_agent.tools.tiny_model import invocation_tokens, make_tiny_model
 
         stage("a tiny model with six adapters of each kind")
         tiny = make_tiny_model(Path(tmp) / "tiny", num_adapters=6, ranks=(8,), seed=args.seed, alora_adapters=6)
@@ -329,7 +329,7 @@ async def _drive(url: str, args: argparse.Namespace, words, checkers: list[str],
 
 
 async def _session(api, args: argparse.Namespace, words, checkers: list[str], tag: str, index: int, out: Run) -> None:
-    from loraplex_agent.tiny_model import INVOCATION
+    from loraplex_agent.tools.tiny_model import INVOCATION
 
     from loraplex_bench.prefix_routing_engine import word_text
 

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.llm import LLM
 
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
@@ -48,7 +48,7 @@ class AssistResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraplex_agent.tiny_model import make_tiny_model
+    from loraplex_agent.tools.tiny_model import make_tiny_model
 
     if args.adapters < 1 or args.prompt_len < 1 or args.background < 0:
         raise CommandError("--adapters and --prompt-len must be at least 1, --background at least 0")

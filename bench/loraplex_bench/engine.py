@@ -97,7 +97,7 @@ class OursRunner:
     name = "ours"
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, adapters: dict[str, Path]) -> None:
-        from loraplex_agent.llm import LLM
+        from loraplex_agent.runtime.llm import LLM
 
         engine_args = argparse.Namespace(**vars(args))
         engine_args.model = str(model_dir)
@@ -248,7 +248,7 @@ def _check_args(args: argparse.Namespace, counts: list[int]) -> None:
 
 def prepare_model(args: argparse.Namespace, num_adapters: int, workdir: Path) -> tuple[Path, dict[str, Path]]:
     """The tiny model with `num_adapters` adapters, or random adapters for --model."""
-    from loraplex_agent.tiny_model import make_tiny_model, write_random_adapters
+    from loraplex_agent.tools.tiny_model import make_tiny_model, write_random_adapters
 
     ranks = tuple(int(r) for r in args.ranks.split(","))
     if args.model is None:

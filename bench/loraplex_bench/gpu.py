@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loraplex_agent.adapters import AdapterStore
-from loraplex_agent.device import adapter_bytes_per_rank, kv_token_bytes, resolve_device, weight_bytes
-from loraplex_agent.executor import TorchExecutor
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model_config import LORA_MODULES, ModelConfig
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.adapters.peft import AdapterStore
+from loraplex_agent.runtime.device import adapter_bytes_per_rank, kv_token_bytes, resolve_device, weight_bytes
+from loraplex_agent.runtime.executor import TorchExecutor
+from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore

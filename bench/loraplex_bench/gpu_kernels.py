@@ -21,8 +21,8 @@ from functools import partial
 from typing import Any
 
 import torch
-from loraplex_agent.model.lora_pages import PagedAdapters, lora_groups
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.lora_pages import PagedAdapters, lora_groups
 
 from loraplex.engine.messages import NO_ADAPTER_SLOT
 from loraplex_bench import gpu

@@ -2,7 +2,7 @@
 
 Part 5 probes adapters cold and warm with CPU assist off and on (`bench cpu-assist`'s probes, on the
 run's shape) and measures host->device copy bandwidth from pageable and from pinned memory. On CUDA
-the engine copies adapters from pinned memory (`loraplex_agent.pinned_adapters`): the part says so
+the engine copies adapters from pinned memory (`loraplex_agent.runtime.pinned_adapters`): the part says so
 (`engine_copies_from`) and how many of its adapters were staged there.
 
 Part 6 runs the drivers of `bench memory` (multi-turn chat sessions, `loraplex.sim.sessions`) and of
@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from loraplex_agent.device import adapter_bytes_per_rank, kv_block_bytes
+from loraplex_agent.runtime.device import adapter_bytes_per_rank, kv_block_bytes
 
 from loraplex.sim.sessions import PromptTokens, make_sessions, run_sessions, summarize_sessions
 from loraplex_bench import memory_compare, scheduler_compare

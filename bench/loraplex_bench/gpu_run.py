@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loraplex_agent.device import resolve_device, weight_bytes
+from loraplex_agent.runtime.device import resolve_device, weight_bytes
 
 from loraplex.spec.errors import CommandError, one_line
 from loraplex_bench import gpu, gpu_kernels, gpu_policies, gpu_twin

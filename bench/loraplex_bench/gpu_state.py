@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from loraplex_agent.model_config import ModelConfig
-from loraplex_agent.profile import RecordingExecutor
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.tools.profile import RecordingExecutor
 
 from loraplex.engine.core import EngineCore
 from loraplex.latency.features import StepFeatures

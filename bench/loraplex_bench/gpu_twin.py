@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from loraplex_agent.device import (
+from loraplex_agent.runtime.device import (
     adapter_bytes_per_rank,
     kv_token_bytes,
     kv_tokens_per_slot_rank,

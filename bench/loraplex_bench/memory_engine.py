@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.runtime.model.config import ModelConfig
 
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.latency.features import StepFeatures
@@ -45,7 +45,7 @@ from loraplex_bench.memory_compare import PolicyResult, SideReport, Variant, ses
 from loraplex_bench.output import stage
 
 if TYPE_CHECKING:
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
 REFERENCE_PROFILE = "whatif-h100-llama8b"  # the GPU whose copy-to-decode ratio the emulation keeps
 DTYPE_BYTES = 4  # fp32
@@ -65,7 +65,7 @@ def model_bytes(config: ModelConfig, dtype_bytes: int = DTYPE_BYTES) -> tuple[in
 
 
 def run_engine(args: argparse.Namespace, chosen: list[Variant]) -> SideReport:
-    from loraplex_agent.tiny_model import make_tiny_model
+    from loraplex_agent.tools.tiny_model import make_tiny_model
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -109,7 +109,7 @@ def scaled_pool(reference: Profile, kv_token_bytes: int, rank_bytes: int) -> int
 
 
 def _write_adapters(base_dir: Path, workload: SessionWorkload, out: Path, seed: int) -> dict[str, Path]:
-    from loraplex_agent.tiny_model import BASE_DIR_NAME, write_random_adapters
+    from loraplex_agent.tools.tiny_model import BASE_DIR_NAME, write_random_adapters
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
@@ -120,7 +120,7 @@ def _write_adapters(base_dir: Path, workload: SessionWorkload, out: Path, seed: 
 
 def _make_llm(args: argparse.Namespace, base_dir: Path, num_blocks: int, gbps: float | None,
               variant: Variant | None = None) -> LLM:
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
     variant = variant or Variant("unified", "unified")
     try:

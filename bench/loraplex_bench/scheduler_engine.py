@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.runtime.model.config import ModelConfig
 
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.replay import WaitUntil
@@ -60,13 +60,13 @@ from loraplex_bench.scheduler_compare import (
 )
 
 if TYPE_CHECKING:
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
 FIRST_TOKEN_ID = 3  # ids below are the tiny model's special tokens
 
 
 def run_engine(args: argparse.Namespace) -> list[Block]:
-    from loraplex_agent.tiny_model import make_tiny_model
+    from loraplex_agent.tools.tiny_model import make_tiny_model
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
@@ -103,7 +103,7 @@ def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[st
 
 
 def _write_adapters(base_dir: Path, ranks: dict[str, int], out: Path, seed: int) -> dict[str, Path]:
-    from loraplex_agent.tiny_model import BASE_DIR_NAME, write_random_adapters
+    from loraplex_agent.tools.tiny_model import BASE_DIR_NAME, write_random_adapters
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
@@ -152,7 +152,7 @@ class EngineSide:
             llm.executor.close()
 
     def llm(self, scheduler: str, policy: str) -> tuple[LLM, dict[str, AdapterId]]:
-        from loraplex_agent.llm import LLM
+        from loraplex_agent.runtime.llm import LLM
 
         args = self.args
         try:

@@ -12,7 +12,7 @@ smaller rank (rank_pattern) has zero rows beyond its rank. The rows are consecut
 below H, else the V half). Every layer uses the same page ids. A row may straddle pages and K/V
 halves; only the tail of the last page is padding.
 
-Pure torch: the engine side (host adapters, handles) lives in `loraplex_agent.model.lora_pages`.
+Pure torch: the engine side (host adapters, handles) lives in `loraplex_agent.runtime.model.lora_pages`.
 """
 
 from __future__ import annotations

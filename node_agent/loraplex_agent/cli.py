@@ -18,16 +18,16 @@ DEFAULT_STALL_TIMEOUT_S = 60.0  # far above any step's duration (chunked prefill
 def register(registry: CommandRegistry) -> None:
     registry.add("make-tiny-model", "Write a tiny random Llama model and random PEFT adapters "
                  "(tests, demos and benchmarks use it; nothing is downloaded)",
-                 _tiny_model_args, run_module("loraplex_agent.tiny_model"))
+                 _tiny_model_args, run_module("loraplex_agent.tools.tiny_model"))
     registry.add("agent", "Run the node agent: the engine behind an OpenAI-compatible server (or, with "
                  "--backend vllm, beside an unmodified vLLM server)", _agent_args, _run_agent)
     registry.add("profile", "Time the real engine over a grid and fit the digital twin's latency profile "
-                 "(or, with --check, measure the twin's fidelity)", _profile_args, run_module("loraplex_agent.profile"))
+                 "(or, with --check, measure the twin's fidelity)", _profile_args, run_module("loraplex_agent.tools.profile"))
 
 
 def _run_agent(args: argparse.Namespace) -> int:
     """Our engine, or the sidecar of a vLLM server (which imports no torch)."""
-    module = "loraplex_agent.vllm_backend.server" if args.backend == "vllm" else "loraplex_agent.server"
+    module = "loraplex_agent.vllm_backend.server" if args.backend == "vllm" else "loraplex_agent.api.server"
     return importlib.import_module(module).run(args)
 
 
@@ -72,7 +72,7 @@ def _agent_args(p: argparse.ArgumentParser) -> None:
                         "takes the agent out of its pool's registry until the step ends; 0: never "
                         f"(default {DEFAULT_STALL_TIMEOUT_S:g} s, far above any step's duration)")
     add_engine_args(p)
-    p.set_defaults(max_lora_rank=None)  # sized from the --adapter folders (loraplex_agent.server)
+    p.set_defaults(max_lora_rank=None)  # sized from the --adapter folders (loraplex_agent.api.server)
     _backend_args(p)
     _cluster_args(p)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.runtime.model.config import ModelConfig
 from safetensors.torch import load_file, save_file
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex_agent.adapters import load_peft_adapter
+from loraplex_agent.adapters.peft import load_peft_adapter
 
 from loraplex.spec.errors import AdapterError
 

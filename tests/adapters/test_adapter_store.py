@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from loraplex_agent.adapters import AdapterStore, load_peft_adapter
+from loraplex_agent.adapters.peft import AdapterStore, load_peft_adapter
 
 from loraplex.spec.errors import NotFoundError
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from loraplex_agent.adapters import load_peft_adapter
-from loraplex_agent.model_config import LORA_MODULES
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.runtime.model.config import LORA_MODULES
 from safetensors.torch import load_file
 
 
@@ -101,7 +101,7 @@ def test_rank_and_alpha_patterns_match_peft(tiny_model, model_config, tmp_path) 
 
 
 def test_loads_activated_lora(tiny_alora_model, model_config) -> None:
-    from loraplex_agent.tiny_model import invocation_tokens
+    from loraplex_agent.tools.tiny_model import invocation_tokens
 
     adapter = load_peft_adapter("alora00-r8", tiny_alora_model.adapters["alora00-r8"], model_config, 64)
     standard = load_peft_adapter("lora00-r8", tiny_alora_model.adapters["lora00-r8"], model_config, 64)

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 import torch
-from loraplex_agent.tiny_model import make_tiny_model, parse_ranks, run
+from loraplex_agent.tools.tiny_model import make_tiny_model, parse_ranks, run
 
 from loraplex.spec.errors import CommandError
 

@@ -26,8 +26,8 @@ MAX_MODEL_LEN = 512
 @dataclass
 class Agent:
     url: str
-    tiny_model: object  # loraplex_agent.tiny_model.TinyModel
-    engine: object  # loraplex_agent.async_engine.AsyncEngine (read-only from tests)
+    tiny_model: object  # loraplex_agent.tools.tiny_model.TinyModel
+    engine: object  # loraplex_agent.runtime.async_engine.AsyncEngine (read-only from tests)
     base: str = SERVED_MODEL
     adapters: tuple[str, ...] = START_ADAPTERS
     max_model_len: int = MAX_MODEL_LEN
@@ -53,9 +53,9 @@ class Agent:
 
 @pytest.fixture(scope="session")
 def agent(tiny_model, free_port) -> Iterator[Agent]:
-    from loraplex_agent.async_engine import AsyncEngine
-    from loraplex_agent.llm import LLM
-    from loraplex_agent.server import AgentConfig, build_app
+    from loraplex_agent.api.server import AgentConfig, build_app
+    from loraplex_agent.runtime.async_engine import AsyncEngine
+    from loraplex_agent.runtime.llm import LLM
 
     llm = LLM(tiny_model.base_dir, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
               num_blocks=256, max_num_seqs=16, max_num_batched_tokens=256, max_loras=3,

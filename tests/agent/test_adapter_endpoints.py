@@ -138,7 +138,7 @@ def test_unload_while_a_request_runs_lets_it_finish(agent):
 def test_the_api_key_guards_every_v1_endpoint_and_the_admin_key_only_adapters(agent):
     """--api-key means what it means in vLLM: inference too; --admin-api-key guards load/unload only."""
     from fastapi.testclient import TestClient
-    from loraplex_agent.server import AgentConfig, build_app
+    from loraplex_agent.api.server import AgentConfig, build_app
 
     client = TestClient(build_app(agent.engine, AgentConfig(api_key="infer", admin_api_key="admin")))  # no lifespan
     bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731

@@ -1,4 +1,4 @@
-"""The agent's one adapter registry (loraplex_agent.adapter_registry): what is servable, what is being
+"""The agent's one adapter registry (loraplex_agent.adapters.registry): what is servable, what is being
 unloaded and where each one's folder is, changed by the engine thread and read by the event loop."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from loraplex_agent.adapter_registry import AdapterRecord, AdapterRegistry
+from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
 
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import ConflictError, NotFoundError

@@ -4,7 +4,7 @@ LoRA checker served from the KV its conversation left in the prefix cache as the
 from __future__ import annotations
 
 import pytest
-from loraplex_agent.tiny_model import INVOCATION, invocation_tokens
+from loraplex_agent.tools.tiny_model import INVOCATION, invocation_tokens
 
 from loraplex.spec.alora import invocation_start
 

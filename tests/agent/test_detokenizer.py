@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from loraplex_agent.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from loraplex_agent.api.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from transformers import AutoTokenizer
 
 TEXTS = ["def main():\n    print('héllo wörld — ✓ 日本語')\n", "  spaces   and\ttabs\n\n", "🙂🙃 emoji"]

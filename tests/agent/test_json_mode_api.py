@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from loraplex_agent.generation import _text_ids
+from loraplex_agent.api.generation import _text_ids
 
 from loraplex.engine.messages import RequestOutput
 from loraplex.engine.output.json_grammar import JsonPrefix

@@ -7,16 +7,16 @@ import math
 
 import pytest
 import torch
-from loraplex_agent.adapters import load_peft_adapter
-from loraplex_agent.device import (
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.runtime.device import (
     adapter_bytes_per_rank,
     kv_block_bytes,
     kv_token_bytes,
     kv_tokens_per_slot_rank,
     num_kv_blocks,
 )
-from loraplex_agent.llm import LLM
-from loraplex_agent.model_config import LORA_MODULES, ModelConfig
+from loraplex_agent.runtime.llm import LLM
+from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 
 CPU = torch.device("cpu")
 

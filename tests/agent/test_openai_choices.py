@@ -147,12 +147,12 @@ POLICIES = {
 
 @pytest.mark.parametrize("engine", POLICIES, ids=list(POLICIES))
 def test_n_under_every_memory_policy(tiny_model, engine):
-    from loraplex_agent.async_engine import AsyncEngine
-    from loraplex_agent.llm import LLM
-    from loraplex_agent.metrics import ServerMetrics
-    from loraplex_agent.openai_protocol import CompletionRequest
-    from loraplex_agent.serving import ServingContext
-    from loraplex_agent.serving_completions import create_completion
+    from loraplex_agent.api.metrics import ServerMetrics
+    from loraplex_agent.api.openai_protocol import CompletionRequest
+    from loraplex_agent.api.serving import ServingContext
+    from loraplex_agent.api.serving_completions import create_completion
+    from loraplex_agent.runtime.async_engine import AsyncEngine
+    from loraplex_agent.runtime.llm import LLM
 
     llm = LLM(tiny_model.base_dir, dtype="float32", device="cpu", max_model_len=256, num_blocks=600,
               max_loras=2, served_model_name="tiny", **POLICIES[engine])

@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 import raw_http
+from loraplex_agent.api.serving import longest_token_bytes
 from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES
-from loraplex_agent.serving import longest_token_bytes
 from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 

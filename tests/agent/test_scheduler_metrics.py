@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from loraplex_agent.async_engine import EngineSnapshot
-from loraplex_agent.metrics import EngineCollector
+from loraplex_agent.api.metrics import EngineCollector
+from loraplex_agent.runtime.async_engine import EngineSnapshot
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

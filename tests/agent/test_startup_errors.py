@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from loraplex_agent.server import load_engine, parse_adapters
+from loraplex_agent.api.server import load_engine, parse_adapters
 
 from loraplex.cli import build_registry
 

@@ -47,7 +47,7 @@ def test_bad_input_is_one_line_and_a_nonzero_exit(flags, message, capsys) -> Non
 def _engine_pieces_missing() -> str | None:
     """The real-engine side needs the engine's memory work (the executor's emulated copies)."""
     try:
-        from loraplex_agent.executor import TorchExecutor
+        from loraplex_agent.runtime.executor import TorchExecutor
     except ImportError as exc:
         return f"the torch executor does not import ({exc})"
     if "emulate_h2d_gbps" not in inspect.signature(TorchExecutor).parameters:

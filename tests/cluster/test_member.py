@@ -9,13 +9,13 @@ import threading
 import time
 
 import pytest
-from loraplex_agent.async_engine import AsyncEngine
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.files import adapter_digest
 from loraplex_agent.cluster.member import ClusterMember
 from loraplex_agent.cluster.settings import ClusterSettings
 from loraplex_agent.cluster.sources import SourcePolicy
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.async_engine import AsyncEngine
+from loraplex_agent.runtime.llm import LLM
 from waiting import wait_until
 
 from loraplex.routing.memory_store import InMemoryRoutingStore

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex_agent.llm import LLM
-from loraplex_agent.tiny_model import invocation_tokens
+from loraplex_agent.runtime.llm import LLM
+from loraplex_agent.tools.tiny_model import invocation_tokens
 from oracle_cases import GREEDY, prompts
 
 from loraplex.spec.alora import ADAPTER_NEVER, invocation_start

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.llm import LLM
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from loraplex.engine.output.sampling import SamplingParams

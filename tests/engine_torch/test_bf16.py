@@ -4,7 +4,7 @@ paged adapters and sampler in bf16 give the fp32 engine's logits to bf16 precisi
 from __future__ import annotations
 
 import torch
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 
 

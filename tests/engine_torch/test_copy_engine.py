@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from loraplex_agent.copy_engine import CopyEngine, CopyJobError
-from loraplex_agent.host_kv import HostKVPool, coalesce
+from loraplex_agent.runtime.copy_engine import CopyEngine, CopyJobError
+from loraplex_agent.runtime.host_kv import HostKVPool, coalesce
 
 from loraplex.engine.messages import KVCopy
 

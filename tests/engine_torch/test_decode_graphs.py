@@ -6,8 +6,8 @@ outside the real rows. (Capture and replay themselves need CUDA and are not run 
 from __future__ import annotations
 
 import pytest
-from loraplex_agent.decode_graphs import DecodeGraphs, batch_buckets
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.decode_graphs import DecodeGraphs, batch_buckets
+from loraplex_agent.runtime.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 
 

@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
-from loraplex_agent.device import kv_block_bytes, num_kv_blocks, resolve_device, resolve_dtype
-from loraplex_agent.llm import LLM
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.runtime.device import kv_block_bytes, num_kv_blocks, resolve_device, resolve_dtype
+from loraplex_agent.runtime.llm import LLM
+from loraplex_agent.runtime.model.config import ModelConfig
 
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.spec.errors import InvalidRequestError, NotFoundError

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 import torch
-from loraplex_agent.json_mode import TokenTexts
-from loraplex_agent.llm import LLM
-from loraplex_agent.sampler import Sampler
+from loraplex_agent.runtime.json_mode import TokenTexts
+from loraplex_agent.runtime.llm import LLM
+from loraplex_agent.runtime.sampler import Sampler
 from oracle_cases import prompts
 
 from loraplex.engine.output.json_grammar import JsonPrefix

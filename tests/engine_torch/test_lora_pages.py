@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loraplex_agent.adapters import load_peft_adapter
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model.lora_pages import PagedAdapters, adapter_rank, full_row_len, lora_groups
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.lora_pages import PagedAdapters, adapter_rank, full_row_len, lora_groups
 from loraplex_kernels.lora_pages import read_adapter
 
 

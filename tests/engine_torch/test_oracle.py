@@ -5,7 +5,7 @@ forced preemption. Greedy tokens must equal the oracle's and every step's logits
 from __future__ import annotations
 
 import pytest
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 
 from loraplex.engine.output.sampling import SamplingParams

@@ -8,8 +8,8 @@ import gc
 
 import pytest
 import torch
-from loraplex_agent.llm import LLM
-from loraplex_agent.sampler import Sampler, TokenTensors, adjust
+from loraplex_agent.runtime.llm import LLM
+from loraplex_agent.runtime.sampler import Sampler, TokenTensors, adjust
 from oracle_cases import prompts
 from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 

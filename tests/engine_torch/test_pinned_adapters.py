@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
-from loraplex_agent.adapters import load_peft_adapter
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model.lora_pages import PagedAdapters
-from loraplex_agent.model_config import ModelConfig
-from loraplex_agent.pinned_adapters import PinnedAdapters, pins_adapters
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.lora_pages import PagedAdapters
+from loraplex_agent.runtime.pinned_adapters import PinnedAdapters, pins_adapters
 from loraplex_kernels.lora_pages import read_adapter
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
@@ -96,7 +96,7 @@ def test_pinned_memory_refused_leaves_the_load_on_pageable_memory(tiny_model):
 
 
 def test_a_cpu_engine_keeps_its_adapters_in_pageable_memory(tiny_model):
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
     llm = LLM(tiny_model.base_dir, device="cpu", num_blocks=64, max_model_len=256)
     try:
@@ -132,7 +132,7 @@ def test_on_cuda_staged_adapters_are_page_locked_and_copied_asynchronously(tiny_
 
 @cuda
 def test_a_cuda_engine_stages_a_registered_adapter_in_pinned_memory(tiny_model):
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
     llm = LLM(tiny_model.base_dir, device="cuda", dtype="float32", num_blocks=64, max_model_len=256)
     try:

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 
 from loraplex.engine.output.sampling import SamplingParams

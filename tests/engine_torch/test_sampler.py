@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from loraplex_agent.sampler import Sampler, restrict
+from loraplex_agent.runtime.sampler import Sampler, restrict
 
 from loraplex.engine.output.sampling import SamplingParams
 

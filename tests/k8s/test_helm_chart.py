@@ -238,7 +238,7 @@ def _known_metrics() -> set[str]:
     names = set()
     for family in RouterMetrics().registry.collect():  # families without samples yet carry their type
         names |= {family.name, f"{family.name}_total", f"{family.name}_bucket"}
-    agent_source = (ROOT / "node_agent" / "loraplex_agent" / "metrics.py").read_text()
+    agent_source = (ROOT / "node_agent" / "loraplex_agent" / "api" / "metrics.py").read_text()
     for name in re.findall(r'"((?:vllm|loraplex):[a-z0-9_]+)"', agent_source):
         names |= {name, f"{name}_total", f"{name}_bucket"}
     return names

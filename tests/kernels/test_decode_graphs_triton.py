@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from loraplex_agent.decode_graphs import DecodeGraphs  # noqa: E402
-from loraplex_agent.llm import LLM  # noqa: E402
+from loraplex_agent.runtime.decode_graphs import DecodeGraphs  # noqa: E402
+from loraplex_agent.runtime.llm import LLM  # noqa: E402
 from oracle_cases import prompts  # noqa: E402
 
 from loraplex.engine.output.sampling import SamplingParams  # noqa: E402

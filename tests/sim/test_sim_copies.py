@@ -118,7 +118,7 @@ def test_the_whatif_copy_terms_follow_llama_8b_in_bf16():
 
 
 def test_cpu_tiny_bytes_follow_the_tiny_models_shapes():
-    hidden, layers, heads, kv_heads, mlp, fp32 = 256, 4, 4, 2, 4 * 256, 4  # loraplex_agent.tiny_model
+    hidden, layers, heads, kv_heads, mlp, fp32 = 256, 4, 4, 2, 4 * 256, 4  # loraplex_agent.tools.tiny_model
     head_dim = hidden // heads
     memory = load_profile("cpu-tiny").memory
     assert memory.kv_token_bytes == 2 * layers * kv_heads * head_dim * fp32

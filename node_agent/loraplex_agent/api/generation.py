@@ -14,9 +14,9 @@ from loraplex.engine.messages import RequestOutput
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import NO_TOKEN, FinishReason, Request, SampledToken
 from loraplex.spec.errors import LoraplexError
-from loraplex_agent.async_engine import AsyncEngine
-from loraplex_agent.detokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from loraplex_agent.metrics import ServerMetrics
+from loraplex_agent.api.detokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from loraplex_agent.api.metrics import ServerMetrics
+from loraplex_agent.runtime.async_engine import AsyncEngine
 
 
 @dataclass

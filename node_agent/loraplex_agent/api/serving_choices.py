@@ -19,9 +19,9 @@ from typing import TypeVar
 
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import Request
-from loraplex_agent.async_engine import AsyncEngine
-from loraplex_agent.generation import GenerationJob, TextDelta, generate_text
-from loraplex_agent.serving import ServingContext
+from loraplex_agent.api.generation import GenerationJob, TextDelta, generate_text
+from loraplex_agent.api.serving import ServingContext
+from loraplex_agent.runtime.async_engine import AsyncEngine
 
 T = TypeVar("T")
 _END = object()  # what `_next` returns at the end of an iterator

@@ -32,8 +32,8 @@ from loraplex.spec.engine_settings import AGENT_SETTINGS
 if TYPE_CHECKING:  # torch is not imported at runtime: the CLI reads the default without it
     import torch
 
-    from loraplex_agent.host_adapter import HostAdapter
-    from loraplex_agent.model.lora_pages import PagedAdapters
+    from loraplex_agent.adapters.host import HostAdapter
+    from loraplex_agent.runtime.model.lora_pages import PagedAdapters
 
 log = logging.getLogger(__name__)
 

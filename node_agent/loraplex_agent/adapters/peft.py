@@ -23,8 +23,8 @@ import torch
 
 from loraplex.spec.adapter import AdapterId, AdapterInfo, validate_adapter_name
 from loraplex.spec.errors import AdapterError, NotFoundError
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model_config import LORA_MODULES, ModelConfig
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -13,10 +13,10 @@ from tokenizers import pre_tokenizers
 from loraplex.engine.output.sampling import SamplingParams
 from loraplex.engine.request import SampledToken
 from loraplex.spec.errors import InvalidRequestError, LoraplexError, NotFoundError
-from loraplex_agent.async_engine import AsyncEngine
-from loraplex_agent.generation import GenerationJob
-from loraplex_agent.metrics import ServerMetrics
-from loraplex_agent.openai_protocol import ChatMessage, PromptLogprob, PromptLogprobs, _SamplingFields
+from loraplex_agent.api.generation import GenerationJob
+from loraplex_agent.api.metrics import ServerMetrics
+from loraplex_agent.api.openai_protocol import ChatMessage, PromptLogprob, PromptLogprobs, _SamplingFields
+from loraplex_agent.runtime.async_engine import AsyncEngine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

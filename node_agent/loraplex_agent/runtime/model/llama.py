@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from loraplex_agent.model.rope import RotaryEmbedding, apply_rotary
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.rope import RotaryEmbedding, apply_rotary
 from loraplex_kernels.attention import AttentionBatch, paged_attention, write_kv
 from loraplex_kernels.lora import LoraBatch, LoraGroup, lora_linear_delta
 
 from loraplex.spec.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from loraplex_agent.cpu_assist import StepAssist
+    from loraplex_agent.runtime.cpu_assist import StepAssist
 
 
 @dataclass

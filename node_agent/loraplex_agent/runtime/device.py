@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from loraplex_agent.model.lora_pages import LORA_GROUP_MODULES
-from loraplex_agent.model_config import ModelConfig
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.lora_pages import LORA_GROUP_MODULES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_GIB = 1.0

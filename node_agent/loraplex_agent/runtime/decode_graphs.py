@@ -30,7 +30,7 @@ from loraplex_kernels.lora import MODULE_COLUMNS, SEGMENT_COLUMNS, LoraBatch, Lo
 from loraplex_kernels.lora_pages import LORA_MODULES
 
 from loraplex.engine.config import EngineConfig
-from loraplex_agent.model.llama import ForwardBatch, LlamaModel
+from loraplex_agent.runtime.model.llama import ForwardBatch, LlamaModel
 
 log = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.routing.records import ServerBatch, ServerLoad
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import LoraplexError, NotFoundError
-from loraplex_agent.adapter_registry import AdapterRecord, AdapterRegistry
-from loraplex_agent.adapters import load_peft_adapter
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
 from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
 from loraplex_agent.cluster.engine_view import open_batch
-from loraplex_agent.host_adapter import HostAdapter
 
 if TYPE_CHECKING:
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -28,14 +28,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.spec.errors import AuthenticationError, CommandError, InvalidRequestError, LoraplexError
 from loraplex.startup import listen_socket, open_store
-from loraplex_agent.adapter_registry import AdapterRecord
-from loraplex_agent.adapters import load_peft_adapter
-from loraplex_agent.async_engine import AsyncEngine
-from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.metrics import CONTENT_TYPE, ServerMetrics
-from loraplex_agent.model_config import ModelConfig
-from loraplex_agent.openai_protocol import (
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.adapters.registry import AdapterRecord
+from loraplex_agent.api.metrics import CONTENT_TYPE, ServerMetrics
+from loraplex_agent.api.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -47,9 +44,12 @@ from loraplex_agent.openai_protocol import (
     ModelList,
     UnloadLoraAdapterRequest,
 )
-from loraplex_agent.serving import ServingContext, prompt_byte_limit
-from loraplex_agent.serving_chat import create_chat_completion
-from loraplex_agent.serving_completions import create_completion
+from loraplex_agent.api.serving import ServingContext, prompt_byte_limit
+from loraplex_agent.api.serving_chat import create_chat_completion
+from loraplex_agent.api.serving_completions import create_completion
+from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES
+from loraplex_agent.runtime.async_engine import AsyncEngine
+from loraplex_agent.runtime.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -390,7 +390,7 @@ def check_redis(url: str, pool: str) -> None:
 def load_engine(args: argparse.Namespace, adapters: tuple[tuple[str, str], ...]) -> AsyncEngine:
     """The engine with the start-up adapters in it. They are read first, so that without
     --max-lora-rank the engine takes the largest of them, at least DEFAULT_MAX_LORA_RANK."""
-    from loraplex_agent.llm import LLM
+    from loraplex_agent.runtime.llm import LLM
 
     model_config = _load_model(f"{Path(args.model) / 'config.json'}", lambda: ModelConfig.from_dir(args.model))
     loaded = [(path, _read_adapter(name, path, model_config, args)) for name, path in adapters]

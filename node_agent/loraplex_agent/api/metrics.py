@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from loraplex.engine.memory.stats import MemoryStats
 from loraplex.engine.scheduling.stats import SchedulerStats
-from loraplex_agent.async_engine import EngineSnapshot
+from loraplex_agent.runtime.async_engine import EngineSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BASE_MODEL_LABEL = ""  # the `adapter` label of requests served by the base model alone

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.model_config import LORA_MODULES, ModelConfig
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 from loraplex_kernels.lora import LoraGroup
 from loraplex_kernels.lora_pages import (
     AdapterPages,

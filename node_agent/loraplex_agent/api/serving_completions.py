@@ -14,16 +14,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from loraplex.engine.request import SampledToken
-from loraplex_agent.generation import TextDelta
-from loraplex_agent.openai_protocol import (
+from loraplex_agent.api.generation import TextDelta
+from loraplex_agent.api.openai_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Usage,
 )
-from loraplex_agent.serving import SSE_DONE, ServingContext, sse, sse_error
-from loraplex_agent.serving_choices import Choices, sibling_jobs, start_choices
+from loraplex_agent.api.serving import SSE_DONE, ServingContext, sse, sse_error
+from loraplex_agent.api.serving_choices import Choices, sibling_jobs, start_choices
 
 
 @dataclass

@@ -33,24 +33,24 @@ from loraplex.engine.messages import (
     SchedulerOutput,
 )
 from loraplex.spec.adapter import AdapterId
-from loraplex_agent.copy_engine import CopyEngine, CopyJobError
-from loraplex_agent.cpu_assist import (
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.runtime.copy_engine import CopyEngine, CopyJobError
+from loraplex_agent.runtime.cpu_assist import (
     AssistedAdapter,
     CpuAssist,
     LayerProgress,
     StepAssist,
     default_assist_workers,
 )
-from loraplex_agent.decode_graphs import DecodeGraphs
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.host_kv import HostKVPool
-from loraplex_agent.model.llama import ForwardBatch, LlamaModel
-from loraplex_agent.model.lora_pages import PagedAdapters, Staged, lora_groups
-from loraplex_agent.model.weights import load_state_dict
-from loraplex_agent.model_config import ModelConfig
-from loraplex_agent.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB, PinnedAdapters, pins_adapters
-from loraplex_agent.prompt_logits import PromptRows, prompt_logprobs
-from loraplex_agent.sampler import Sampler
+from loraplex_agent.runtime.decode_graphs import DecodeGraphs
+from loraplex_agent.runtime.host_kv import HostKVPool
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.llama import ForwardBatch, LlamaModel
+from loraplex_agent.runtime.model.lora_pages import PagedAdapters, Staged, lora_groups
+from loraplex_agent.runtime.model.weights import load_state_dict
+from loraplex_agent.runtime.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB, PinnedAdapters, pins_adapters
+from loraplex_agent.runtime.prompt_logits import PromptRows, prompt_logprobs
+from loraplex_agent.runtime.sampler import Sampler
 
 GetAdapter = Callable[[AdapterId], HostAdapter]
 

@@ -27,7 +27,7 @@ import torch
 
 from loraplex.engine.output.sampling import SamplingParams, TokenHistory
 from loraplex.engine.request import NO_TOKEN, SampledToken
-from loraplex_agent.json_mode import JsonMode, greedy_ranking, race_rankings
+from loraplex_agent.runtime.json_mode import JsonMode, greedy_ranking, race_rankings
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
 

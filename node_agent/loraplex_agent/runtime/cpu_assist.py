@@ -26,7 +26,7 @@ import torch
 from loraplex_kernels.lora import LoraBatch, LoraGroup, LoraSegment, lora_linear_delta
 from loraplex_kernels.lora_pages import AdapterPages
 
-from loraplex_agent.host_adapter import HostAdapter
+from loraplex_agent.adapters.host import HostAdapter
 
 log = logging.getLogger(__name__)
 

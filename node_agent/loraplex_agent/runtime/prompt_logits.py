@@ -20,7 +20,7 @@ from loraplex.engine.messages import PromptLogprobs, ScheduledChunk
 from loraplex.engine.request import SampledToken
 
 if TYPE_CHECKING:
-    from loraplex_agent.model.llama import LlamaModel
+    from loraplex_agent.runtime.model.llama import LlamaModel
 
 ROWS_AT_ONCE = 128  # rows per log-softmax over the vocabulary: bounds the memory of a long chunk
 

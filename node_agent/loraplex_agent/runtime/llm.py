@@ -24,13 +24,13 @@ from loraplex.engine.request import Request
 from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
-from loraplex_agent.adapters import AdapterStore, load_peft_adapter
-from loraplex_agent.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
-from loraplex_agent.executor import TorchExecutor
-from loraplex_agent.host_adapter import HostAdapter
-from loraplex_agent.json_mode import TokenTexts
-from loraplex_agent.model_config import ModelConfig
-from loraplex_agent.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.adapters.peft import AdapterStore, load_peft_adapter
+from loraplex_agent.runtime.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
+from loraplex_agent.runtime.executor import TorchExecutor
+from loraplex_agent.runtime.json_mode import TokenTexts
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.pinned_adapters import DEFAULT_PINNED_ADAPTER_GIB
 
 Prompt = str | list[int]
 

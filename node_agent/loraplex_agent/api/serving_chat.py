@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from loraplex_agent.generation import TextDelta
-from loraplex_agent.openai_protocol import (
+from loraplex_agent.api.generation import TextDelta
+from loraplex_agent.api.openai_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -19,8 +19,8 @@ from loraplex_agent.openai_protocol import (
     TopLogprob,
     Usage,
 )
-from loraplex_agent.serving import SSE_DONE, ServingContext, sse, sse_error
-from loraplex_agent.serving_choices import Choices, sibling_jobs, start_choices
+from loraplex_agent.api.serving import SSE_DONE, ServingContext, sse, sse_error
+from loraplex_agent.api.serving_choices import Choices, sibling_jobs, start_choices
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest

@@ -40,8 +40,8 @@ from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import MonotonicClock
-from loraplex_agent.executor import TorchExecutor
-from loraplex_agent.llm import LLM
+from loraplex_agent.runtime.executor import TorchExecutor
+from loraplex_agent.runtime.llm import LLM
 
 Sample = tuple[StepFeatures, float]
 

@@ -1,0 +1,1 @@
+"""Commands beside serving: `loraplex make-tiny-model` and `loraplex profile`."""
