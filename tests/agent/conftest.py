@@ -54,15 +54,16 @@ class Agent:
 @pytest.fixture(scope="session")
 def agent(tiny_model, free_port) -> Iterator[Agent]:
     from loraplex_agent.api.server import AgentConfig, build_app
+    from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STALL_TIMEOUT_S
     from loraplex_agent.runtime.async_engine import AsyncEngine
     from loraplex_agent.runtime.llm import LLM
 
     llm = LLM(tiny_model.base_dir, dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN,
               num_blocks=256, max_num_seqs=16, max_num_batched_tokens=256, max_loras=3,
               max_lora_rank=64, served_model_name=SERVED_MODEL)
-    engine = AsyncEngine(llm)
+    engine = AsyncEngine(llm, DEFAULT_STALL_TIMEOUT_S)
     adapters = tuple((name, str(tiny_model.adapters[name])) for name in START_ADAPTERS)
-    app = build_app(engine, AgentConfig(admin_api_key=API_KEY, adapters=adapters))
+    app = build_app(engine, AgentConfig(DEFAULT_MAX_REQUEST_BYTES, admin_api_key=API_KEY, adapters=adapters))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="agent-under-test", daemon=True)

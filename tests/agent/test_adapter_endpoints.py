@@ -139,8 +139,9 @@ def test_the_api_key_guards_every_v1_endpoint_and_the_admin_key_only_adapters(ag
     """--api-key means what it means in vLLM: inference too; --admin-api-key guards load/unload only."""
     from fastapi.testclient import TestClient
     from loraplex_agent.api.server import AgentConfig, build_app
+    from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES
 
-    client = TestClient(build_app(agent.engine, AgentConfig(api_key="infer", admin_api_key="admin")))  # no lifespan
+    client = TestClient(build_app(agent.engine, AgentConfig(DEFAULT_MAX_REQUEST_BYTES, api_key="infer", admin_api_key="admin")))  # no lifespan
     bearer = lambda key: {"Authorization": f"Bearer {key}"}  # noqa: E731
     completion = {"model": agent.base, "prompt": PROMPT, "max_tokens": 1}
     assert client.get("/v1/models").status_code == 401
@@ -150,6 +151,6 @@ def test_the_api_key_guards_every_v1_endpoint_and_the_admin_key_only_adapters(ag
     assert client.get("/v1/models", headers=bearer("admin")).status_code == 200
     load = {"lora_name": "guarded", "lora_path": str(agent.tiny_model.adapters["lora05-r16"])}
     assert client.post("/v1/load_lora_adapter", json=load, headers=bearer("infer")).status_code == 401
-    open_inference = TestClient(build_app(agent.engine, AgentConfig(admin_api_key="admin")))
+    open_inference = TestClient(build_app(agent.engine, AgentConfig(DEFAULT_MAX_REQUEST_BYTES, admin_api_key="admin")))
     assert open_inference.get("/v1/models").status_code == 200
     assert open_inference.post("/v1/load_lora_adapter", json=load).status_code == 401

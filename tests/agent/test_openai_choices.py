@@ -151,6 +151,7 @@ def test_n_under_every_memory_policy(tiny_model, engine):
     from loraplex_agent.api.openai_protocol import CompletionRequest
     from loraplex_agent.api.serving import ServingContext
     from loraplex_agent.api.serving_completions import create_completion
+    from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
     from loraplex_agent.runtime.async_engine import AsyncEngine
     from loraplex_agent.runtime.llm import LLM
 
@@ -159,7 +160,7 @@ def test_n_under_every_memory_policy(tiny_model, engine):
     prompt = [random.Random(7).randrange(100, 8000) for _ in range(40)]
 
     async def run() -> tuple[list[str], list[str], int]:
-        engine_ = AsyncEngine(llm)
+        engine_ = AsyncEngine(llm, DEFAULT_STALL_TIMEOUT_S)
         engine_.start()
         try:
             ctx = ServingContext(engine_, ServerMetrics("tiny", engine_.snapshot, 2, 16), "tiny", "")

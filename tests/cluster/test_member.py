@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
 from loraplex_agent.cluster.fetcher import AdapterFetcher
 from loraplex_agent.cluster.files import adapter_digest
 from loraplex_agent.cluster.member import ClusterMember
@@ -37,7 +38,7 @@ async def member(llm, tiny_model, tmp_path):
     store = InMemoryRoutingStore("test", MonotonicClock())
     for name, path in list(tiny_model.adapters.items())[:3]:
         store.put_adapter(AdapterRecord(name, adapter_digest(path), 8, 1, f"file://{path}"))
-    engine = AsyncEngine(llm)
+    engine = AsyncEngine(llm, DEFAULT_STALL_TIMEOUT_S)
     engine.start()
     settings = ClusterSettings("redis://unused", "test", ME, "http://127.0.0.1:1", tmp_path / "store")
     m = ClusterMember(settings, store, engine, AdapterFetcher(settings.adapter_store, SourcePolicy()),

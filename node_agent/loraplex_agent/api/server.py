@@ -47,7 +47,6 @@ from loraplex_agent.api.openai_protocol import (
 from loraplex_agent.api.serving import ServingContext, prompt_byte_limit
 from loraplex_agent.api.serving_chat import create_chat_completion
 from loraplex_agent.api.serving_completions import create_completion
-from loraplex_agent.cli import DEFAULT_MAX_REQUEST_BYTES
 from loraplex_agent.runtime.async_engine import AsyncEngine
 from loraplex_agent.runtime.model.config import ModelConfig
 
@@ -57,10 +56,10 @@ T = TypeVar("T")
 
 @dataclass
 class AgentConfig:
+    max_request_bytes: int  # --max-request-bytes: a larger body is answered 413 unread
     api_key: str | None = None  # --api-key: required by every /v1 endpoint when set, as vLLM's
     admin_api_key: str | None = None  # --admin-api-key: required by the adapter load/unload endpoints only
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded when the app starts
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413 unread
 
     @property
     def admin_key(self) -> str | None:

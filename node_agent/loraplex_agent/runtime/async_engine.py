@@ -36,7 +36,6 @@ from loraplex.spec.errors import LoraplexError, NotFoundError
 from loraplex_agent.adapters.host import HostAdapter
 from loraplex_agent.adapters.peft import load_peft_adapter
 from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
-from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
 from loraplex_agent.cluster.engine_view import open_batch
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, llm: LLM, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+    def __init__(self, llm: LLM, stall_timeout_s: float) -> None:
         """`stall_timeout_s`: one iteration of the engine thread running longer than this makes the
         engine unhealthy until it ends; 0: never."""
         self.llm = llm

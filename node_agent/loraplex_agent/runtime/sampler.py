@@ -13,7 +13,7 @@ request draws its noise from its own generator, seeded by (seed, number of token
 far), so it yields the same tokens alone, inside any batch, and after a preemption.
 
 Rows in JSON mode (`SamplingParams.json_object`) then take the best-ranked token that keeps their
-output a JSON-object prefix (`loraplex_agent.json_mode`); the other rows are chosen exactly as
+output a JSON-object prefix (`loraplex_agent.runtime.json_mode`); the other rows are chosen exactly as
 without them.
 """
 

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from loraplex_agent.runtime.model.config import ModelConfig
-from loraplex_agent.runtime.model.rope import RotaryEmbedding, apply_rotary
 from loraplex_kernels.attention import AttentionBatch, paged_attention, write_kv
 from loraplex_kernels.lora import LoraBatch, LoraGroup, lora_linear_delta
 
 from loraplex.spec.errors import InvalidRequestError
+from loraplex_agent.runtime.model.config import ModelConfig
+from loraplex_agent.runtime.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from loraplex_agent.runtime.cpu_assist import StepAssist
@@ -38,7 +38,7 @@ class ForwardBatch:
 class LayerLora:
     """One layer's projections with their LoRA terms: the device kernel for adapters whose weights
     of this layer are on the device and, for an adapter still being copied in, CPU-computed terms
-    (`loraplex_agent.cpu_assist`) started before the base matmul so the two overlap."""
+    (`loraplex_agent.runtime.cpu_assist`) started before the base matmul so the two overlap."""
 
     def __init__(self, batch: ForwardBatch, layer: int, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.layer = layer

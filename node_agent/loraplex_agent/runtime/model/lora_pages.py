@@ -12,8 +12,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
-from loraplex_agent.adapters.host import HostAdapter
-from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 from loraplex_kernels.lora import LoraGroup
 from loraplex_kernels.lora_pages import (
     AdapterPages,
@@ -25,6 +23,9 @@ from loraplex_kernels.lora_pages import (
     weights_rank,
     write_adapter,
 )
+
+from loraplex_agent.adapters.host import HostAdapter
+from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 
 # fused group -> the PEFT modules it holds, in output order
 LORA_GROUP_MODULES: dict[str, tuple[str, ...]] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from loraplex_agent.runtime.model.config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
