@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from loraplex_agent.adapters.host import HostAdapter
-from loraplex_agent.adapters.peft import AdapterStore
+from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
 from loraplex_agent.runtime.device import adapter_bytes_per_rank, kv_token_bytes, resolve_device, weight_bytes
 from loraplex_agent.runtime.executor import TorchExecutor
 from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
@@ -100,10 +100,11 @@ class Bench:
             "max_model_len": max_model_len, "block_size": 16, "num_blocks": num_blocks,
             "max_num_seqs": max(BATCHES), "max_num_batched_tokens": max(2048, max_model_len),
             "max_lora_rank": max(RANKS), "num_host_blocks": 0, **engine})
-        self.store = AdapterStore()
-        self.executor = TorchExecutor(config, self.engine_config, device, dtype, self.store.get,
+        self.store = AdapterRegistry()  # as `LLM`'s: the core's table and the executor's weights
+        self.executor = TorchExecutor(config, self.engine_config, device, dtype, self.store.host,
                                       model_dir=model_dir, seed=seed, cuda_graphs=cuda_graphs)
-        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
+        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages,
+                               adapters=self.store)
         self.adapters: list[AdapterId] = []
         self._generator = torch.Generator().manual_seed(seed)
         self._weights = adapter_weights
@@ -111,8 +112,8 @@ class Bench:
 
     def _adapter_pages(self, info: AdapterInfo) -> int:
         """As `LLM`'s: an adapter not in host memory (lru-static's slot size) wraps every module."""
-        if info.id in self.store:
-            return self.executor.adapter_pages(self.store.get(info.id))
+        if self.store.holds(info.id):
+            return self.executor.adapter_pages(self.store.host(info.id))
         return self.executor.pages_for_rank(info.rank)
 
     def add_adapters(self, ranks: Sequence[int], names: Sequence[str] | None = None) -> list[AdapterId]:
@@ -123,9 +124,9 @@ class Bench:
             name = names[i] if names else f"a{len(self.adapters)}-r{rank}"
             host = (self._weights.adapter(self.model_config, name, rank, len(self.adapters)) if self._weights
                     else random_adapter(self.model_config, name, rank, self._generator))
-            self.store.add(host)
-            self.core.add_adapter(host.info)
+            self.store.hold(AdapterRecord(host))
             self.executor.stage_adapter(host)  # as `LLM.register`: pinned on CUDA while it fits
+            self.core.add_adapter(host.info)
             self.adapters.append(host.id)
             ids.append(host.id)
         return ids

@@ -167,7 +167,7 @@ class EngineSide:
             if name in self.hosts:  # host weights are read-only: every engine may share them
                 llm.register(self.hosts[name])
             else:
-                self.hosts[name] = llm.adapters.get(llm.add_adapter(name, path).id)
+                self.hosts[name] = llm.adapters.host(llm.add_adapter(name, path).id)
         return llm, {name: host.id for name, host in self.hosts.items()}
 
     def prompt(self, request: TraceRequest) -> list[int]:

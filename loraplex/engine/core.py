@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loraplex.engine.adapter_table import AdapterInfos, AdapterTable
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.executor import Executor
 from loraplex.engine.memory.paged_memory import AdapterPages, no_adapter_pages
@@ -41,14 +42,15 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, clock: Clock | None = None,
-                 adapter_pages: AdapterPages = no_adapter_pages) -> None:
+                 adapter_pages: AdapterPages = no_adapter_pages, adapters: AdapterTable | None = None) -> None:
         """`adapter_pages` gives the device pages an adapter's weights take (the executor knows the
-        layout); the default models adapters that cost no memory."""
+        layout); the default models adapters that cost no memory. `adapters`: the table of the
+        adapters it serves, when its owner keeps one (the agent's registry); else a plain one."""
         self.config = config
         self.executor = executor
         self.clock = clock or MonotonicClock()
         self.memory = make_memory(config, adapter_pages, self.clock)
-        self.adapters: dict[str, AdapterInfo] = {}
+        self.adapters: AdapterTable = AdapterInfos() if adapters is None else adapters
         # ranks outlive unloading: queued requests of an unloaded adapter still need a slot
         self._ranks: dict[AdapterId, int] = {}
         self.scheduler = make_scheduler(config, self.memory, self._rank_of, self.clock)
@@ -63,7 +65,7 @@ class EngineCore:
 
     def add_adapter(self, info: AdapterInfo, pinned: bool = False) -> None:
         """Make `info` servable; a pinned adapter is loaded to the device now and never evicted."""
-        if info.id.name in self.adapters:
+        if self.adapters.serving(info.id.name) is not None:
             raise ConflictError(f"adapter {info.id.name!r} is already loaded; unload it first",
                                 param="lora_name")
         if not 1 <= info.rank <= self.config.max_lora_rank:
@@ -74,12 +76,12 @@ class EngineCore:
             raise AdapterError(f"adapter {info.id.name!r} needs {pages} pages of device memory and this engine has "
                                f"{self.memory.num_pages}; give the engine more memory")
         self.memory.add_adapter(info, pinned=pinned)
-        self.adapters[info.id.name] = info
+        self.adapters.admit(info)
         self._ranks[info.id] = info.rank
 
     def remove_adapter(self, name: str) -> AdapterInfo:
         """New requests for `name` are refused at once; running ones finish with the weights they have."""
-        info = self.adapters.pop(name, None)
+        info = self.adapters.retire(name)
         if info is None:
             raise NotFoundError(f"adapter {name!r} is not loaded", param="lora_name")
         self.scheduler.retire_adapter(info.id)
@@ -99,7 +101,7 @@ class EngineCore:
                 f"this model's maximum context length is {limit} tokens, but the prompt has "
                 f"{request.num_prompt_tokens} tokens", param="prompt", code="context_length_exceeded")
         if request.adapter is not None:
-            info = self.adapters.get(request.adapter.name)
+            info = self.adapters.serving(request.adapter.name)
             if info is None or info.id != request.adapter:
                 raise NotFoundError(f"adapter {request.adapter.name!r} is not loaded", param="model")
             request.adapter_from = adapter_start(request.prompt_token_ids, info.invocation_tokens)

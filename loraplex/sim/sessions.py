@@ -259,7 +259,7 @@ class _Driver:
         previous = self.last.get(session.index)
         prompt = (self._system(session.adapter) + new if previous is None
                   else previous.prompt_token_ids + previous.output_token_ids + new)
-        adapter = self.core.adapters[session.adapter].id
+        adapter = self.core.adapters.serving(session.adapter).id
         request = Request(f"s{session.index}-t{turn}", prompt, turn_sampling(spec.output_tokens), adapter=adapter,
                           arrival_time=at)
         self.core.add_request(request)

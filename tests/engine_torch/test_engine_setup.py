@@ -42,13 +42,13 @@ def test_kv_blocks_from_flags_memory_and_cap(tiny_model):
 def test_llm_adapters_and_errors(tiny_model):
     llm = LLM(tiny_model.base_dir, device="cpu", max_model_len=64, num_blocks=64)
     info = llm.add_adapter("lora01-r16", tiny_model.adapters["lora01-r16"])
-    assert info.rank == 16 and llm.adapters.by_name("lora01-r16") is not None
+    assert info.rank == 16 and llm.adapters["lora01-r16"].info == info
     with pytest.raises(NotFoundError):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), adapters=["nope"])
     [request] = llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=3), ["lora01-r16"])
     assert request.prompt_token_ids[0] == llm.tokenizer.bos_token_id and len(request.output_token_ids) >= 1
     assert llm.remove_adapter("lora01-r16").id == info.id
-    assert llm.adapters.by_name("lora01-r16") is None
+    assert "lora01-r16" not in llm.adapters and not llm.adapters.holds(info.id)
     with pytest.raises(InvalidRequestError, match="exceeds"):
         LLM(tiny_model.base_dir, device="cpu", max_model_len=10**6)
 

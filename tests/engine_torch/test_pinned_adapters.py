@@ -138,7 +138,7 @@ def test_a_cuda_engine_stages_a_registered_adapter_in_pinned_memory(tiny_model):
     try:
         info = llm.add_adapter("sql", tiny_model.adapters["lora00-r8"])
         assert llm.executor.pinned is not None and len(llm.executor.pinned) == 1
-        assert llm.executor.pinned.rows(llm.adapters.get(info.id)).is_pinned()
+        assert llm.executor.pinned.rows(llm.adapters.host(info.id)).is_pinned()
         llm.remove_adapter("sql")
         assert len(llm.executor.pinned) == 0
     finally:

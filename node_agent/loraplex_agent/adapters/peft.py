@@ -1,4 +1,4 @@
-"""PEFT LoRA folders read into host memory, validated against the base model, and the host store.
+"""PEFT LoRA folders read into host memory and validated against the base model.
 
 A folder holds `adapter_config.json` and `adapter_model.safetensors`. Loading refuses, with the
 reason, anything the engine would not compute exactly as PEFT does (DoRA, biases, extra trainable
@@ -15,14 +15,13 @@ import hashlib
 import json
 import math
 import re
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from loraplex.spec.adapter import AdapterId, AdapterInfo, validate_adapter_name
-from loraplex.spec.errors import AdapterError, NotFoundError
+from loraplex.spec.errors import AdapterError
 from loraplex_agent.adapters.host import HostAdapter
 from loraplex_agent.runtime.model.config import LORA_MODULES, ModelConfig
 
@@ -312,63 +311,3 @@ def _check_pair(layer: int, module: str, lora_a: torch.Tensor, lora_b: torch.Ten
         raise AdapterError(f"{where}: rank {rank} is larger than the maximum LoRA rank {max_rank} "
                            "(raise --max-lora-rank)")
 
-
-# ---- store ----
-
-class AdapterStore:
-    """Adapters in host memory, by id. Thread-safe: the server's threads and the engine thread share it.
-
-    Several versions (digests) of one name may be held at once while requests of the old one finish;
-    `by_name` answers the most recently added.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_id: dict[AdapterId, HostAdapter] = {}
-        self._latest: dict[str, AdapterId] = {}
-
-    def add(self, adapter: HostAdapter) -> None:
-        with self._lock:
-            self._by_id[adapter.id] = adapter
-            self._latest[adapter.id.name] = adapter.id
-
-    def get(self, adapter_id: AdapterId) -> HostAdapter:
-        with self._lock:
-            adapter = self._by_id.get(adapter_id)
-        if adapter is None:
-            raise NotFoundError(f"adapter {adapter_id} is not in host memory")
-        return adapter
-
-    def remove(self, adapter_id: AdapterId) -> HostAdapter:
-        with self._lock:
-            adapter = self._by_id.pop(adapter_id, None)
-            if adapter is None:
-                raise NotFoundError(f"adapter {adapter_id} is not in host memory")
-            if self._latest.get(adapter_id.name) == adapter_id:
-                others = [i for i in self._by_id if i.name == adapter_id.name]
-                if others:
-                    self._latest[adapter_id.name] = others[-1]
-                else:
-                    del self._latest[adapter_id.name]
-            return adapter
-
-    def by_name(self, name: str) -> HostAdapter | None:
-        with self._lock:
-            adapter_id = self._latest.get(name)
-            return None if adapter_id is None else self._by_id[adapter_id]
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return sorted(self._latest)
-
-    def __contains__(self, adapter_id: object) -> bool:
-        with self._lock:
-            return adapter_id in self._by_id
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._by_id)
-
-    def total_bytes(self) -> int:
-        with self._lock:
-            return sum(a.info.size_bytes for a in self._by_id.values())

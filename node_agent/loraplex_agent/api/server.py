@@ -30,7 +30,6 @@ from loraplex.spec.errors import AuthenticationError, CommandError, InvalidReque
 from loraplex.startup import listen_socket, open_store
 from loraplex_agent.adapters.host import HostAdapter
 from loraplex_agent.adapters.peft import load_peft_adapter
-from loraplex_agent.adapters.registry import AdapterRecord
 from loraplex_agent.api.metrics import CONTENT_TYPE, ServerMetrics
 from loraplex_agent.api.openai_protocol import (
     ChatCompletionRequest,
@@ -398,15 +397,12 @@ def load_engine(args: argparse.Namespace, adapters: tuple[tuple[str, str], ...])
     rank = args.max_lora_rank or max([DEFAULT_MAX_LORA_RANK, *(h.info.rank for _, h in loaded)])
     sized = argparse.Namespace(**{**vars(args), "max_lora_rank": rank})
     llm = _load_model(f"the model from {args.model}", lambda: LLM.from_args(sized))
-    for _, host in loaded:
+    for path, host in loaded:
         try:
-            llm.register(host)
+            llm.register(host, path=path)
         except LoraplexError as exc:
             raise CommandError(f"--adapter {host.info.id.name}: {_one_line(exc)}") from None
-    engine = AsyncEngine(llm, args.stall_timeout)  # after the adapters: its first snapshot counts them
-    for path, host in loaded:
-        engine.adapters.add(AdapterRecord(host.info, path))
-    return engine
+    return AsyncEngine(llm, args.stall_timeout)  # after the adapters: its first snapshot counts them
 
 
 def _load_model(what: str, load: Callable[[], T]) -> T:

@@ -33,9 +33,7 @@ from loraplex.engine.scheduling.stats import SchedulerStats
 from loraplex.routing.records import ServerBatch, ServerLoad
 from loraplex.spec.adapter import AdapterInfo
 from loraplex.spec.errors import LoraplexError, NotFoundError
-from loraplex_agent.adapters.host import HostAdapter
 from loraplex_agent.adapters.peft import load_peft_adapter
-from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
 from loraplex_agent.cluster.engine_view import open_batch
 
 if TYPE_CHECKING:
@@ -80,7 +78,7 @@ class AsyncEngine:
         self.stall_timeout_s = stall_timeout_s
         self.core = llm.core
         self.max_model_len = llm.core.config.max_model_len
-        self.adapters = AdapterRegistry()  # servable by name; the engine thread also reads and changes it
+        self.adapters = llm.adapters  # the one registry: servable by name; the engine thread changes it
         self.error: BaseException | None = None
         self._commands: deque[Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
@@ -196,7 +194,7 @@ class AsyncEngine:
         host = await asyncio.to_thread(
             load_peft_adapter, name, path, self.llm.model_config, self.core.config.max_lora_rank,
             base_model_aliases=[self.llm.served_model_name])
-        await self._call(lambda: self._register_adapter(AdapterRecord(host.info, str(path)), host, pinned))
+        await self._call(lambda: self.llm.register(host, pinned, path=str(path)))
         return host.info
 
     async def remove_adapter(self, name: str) -> AdapterInfo:
@@ -264,14 +262,6 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
 
-    def _register_adapter(self, record: AdapterRecord, host: HostAdapter, pinned: bool = False) -> None:
-        self.adapters.add(record)  # refuses a name loaded or still unloading
-        try:
-            self.llm.register(host, pinned)
-        except Exception:
-            self.adapters.forget(record.info.id.name)
-            raise
-
     def _unload_adapter(self, name: str) -> tuple[AdapterInfo, int]:
         info = self.adapters.begin_unload(name)
         draining = sum(1 for s in self._streams.values() if s.request.adapter == info.id)
@@ -279,16 +269,14 @@ class AsyncEngine:
         return info, draining
 
     def _finish_unloads(self) -> None:
-        """Remove an unloading adapter from the core once no accepted request uses it."""
+        """Remove an unloading adapter from the engine once no accepted request uses it."""
         unloading = self.adapters.unloading()
         if not unloading:
             return
         busy = {s.request.adapter for s in self._streams.values()}
         for name, info in unloading.items():
             if info.id not in busy:
-                self.core.remove_adapter(name)
-                self.llm.drop_host(info.id)
-                self.adapters.forget(name)
+                self.llm.remove_adapter(name)
 
     def _take_snapshot(self) -> EngineSnapshot:
         running, waiting = set(), set()

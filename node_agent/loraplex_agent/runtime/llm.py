@@ -1,4 +1,4 @@
-"""LLM: the offline engine (model + executor + EngineCore + adapter store + tokenizer) in one object.
+"""LLM: the offline engine (model + executor + EngineCore + adapter registry + tokenizer) in one object.
 
     llm = LLM("out/base", max_loras=8)
     llm.add_adapter("sql", "out/adapters/lora00-r8")
@@ -25,7 +25,8 @@ from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
 from loraplex_agent.adapters.host import HostAdapter
-from loraplex_agent.adapters.peft import AdapterStore, load_peft_adapter
+from loraplex_agent.adapters.peft import load_peft_adapter
+from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
 from loraplex_agent.runtime.device import cpu_threads, num_kv_blocks, resolve_device, resolve_dtype
 from loraplex_agent.runtime.executor import TorchExecutor
 from loraplex_agent.runtime.json_mode import TokenTexts
@@ -92,12 +93,14 @@ class LLM:
             num_host_blocks=blocks if num_host_blocks is None else num_host_blocks,
             memory_options=dict(memory_options or {}),
             cpu_assist=resolve_cpu_assist(cpu_assist, torch_device, emulate_h2d_gbps))
-        self.adapters = AdapterStore()
+        # the one map of the adapters: the core's table, and where the executor reads their weights
+        self.adapters = AdapterRegistry()
         self.executor = TorchExecutor(self.model_config, self.engine_config, torch_device, torch_dtype,
-                                      self.adapters.get, model_dir=self.model_dir, seed=seed,
+                                      self.adapters.host, model_dir=self.model_dir, seed=seed,
                                       emulate_h2d_gbps=emulate_h2d_gbps, cpu_assist_workers=cpu_assist_workers,
                                       cuda_graphs=cuda_graphs, pinned_adapter_gib=pinned_adapter_gib)
-        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages)
+        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages,
+                               adapters=self.adapters)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
         self.executor.sampler.json.use_vocabulary(TokenTexts.of(self.tokenizer, self.model_config.vocab_size,
@@ -109,36 +112,37 @@ class LLM:
     def _adapter_pages(self, info: AdapterInfo) -> int:
         """Device pages of an adapter in host memory; an unknown one (the size of a fixed slot) is
         taken to wrap every target module."""
-        if info.id in self.adapters:
-            return self.executor.adapter_pages(self.adapters.get(info.id))
+        if self.adapters.holds(info.id):
+            return self.executor.adapter_pages(self.adapters.host(info.id))
         return self.executor.pages_for_rank(info.rank)
 
     def add_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         """Read and validate a PEFT folder into host memory and make it servable."""
         host = load_peft_adapter(name, path, self.model_config, self.engine_config.max_lora_rank,
                                  base_model_aliases=[self.served_model_name])
-        self.register(host)
+        self.register(host, path=str(path))
         return host.info
 
-    def register(self, host: HostAdapter, pinned: bool = False) -> None:
-        """Make an adapter already in host memory servable (the engine sizes its pages from it)."""
-        self.adapters.add(host)
+    def register(self, host: HostAdapter, pinned: bool = False, path: str | None = None) -> None:
+        """Make an adapter already in host memory servable (the engine sizes its pages from it). A
+        taken name is refused before anything changes; a refusal by the engine leaves no trace."""
+        self.adapters.hold(AdapterRecord(host, path))
         try:
             self.executor.stage_adapter(host)  # in pinned memory on CUDA, before any load of it
-            self.core.add_adapter(host.info, pinned=pinned)
+            self.core.add_adapter(host.info, pinned=pinned)  # the core admits it into the registry
         except Exception:
-            self.drop_host(host.id)
+            self._drop(host.id)
             raise
 
     def remove_adapter(self, name: str) -> AdapterInfo:
-        """Stop serving `name`. Its host copy is dropped; call between `generate` calls."""
-        info = self.core.remove_adapter(name)
-        self.drop_host(info.id)
+        """Stop serving `name` (servable or unloading) and drop its weights: call between `generate`
+        calls, or, as the engine thread does, once no accepted request uses it."""
+        info = self.core.remove_adapter(name)  # the core retires it in the registry
+        self._drop(info.id)
         return info
 
-    def drop_host(self, adapter_id: AdapterId) -> None:
-        """Drop the host copy of an adapter the core no longer serves (and its pinned rows)."""
-        self.adapters.remove(adapter_id)
+    def _drop(self, adapter_id: AdapterId) -> None:
+        self.adapters.release(adapter_id)
         self.executor.forget_adapter(adapter_id)
 
     # ---- generation -------------------------------------------------------------------------
@@ -165,10 +169,10 @@ class LLM:
         token_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         adapter_id = None
         if adapter is not None:
-            host = self.adapters.by_name(adapter)
-            if host is None:
+            record = self.adapters.get(adapter)
+            if record is None:
                 raise NotFoundError(f"adapter {adapter!r} is not loaded", param="model")
-            adapter_id = host.id
+            adapter_id = record.info.id
         return Request(request_id=f"llm-{next(self._request_ids)}", prompt_token_ids=token_ids,
                        sampling=sampling, adapter=adapter_id, eos_token_ids=self.eos_token_ids)
 

@@ -112,10 +112,10 @@ def instrument(llm: LLM, wall_clock: bool = False) -> TimedCore:
 def bind_adapters(trace: Trace, llm: LLM) -> Trace:
     """Map the trace's adapters, in name order, onto the adapters loaded in `llm` (their real ranks)."""
     names = sorted(trace.adapters())
-    loaded = sorted(llm.adapters.names())
+    loaded = sorted(llm.adapters)
     if len(names) > len(loaded):
         raise CommandError(f"the trace uses {len(names)} adapters but only {len(loaded)} are loaded")
-    ranks = {name: llm.adapters.by_name(name).info.rank for name in loaded}
+    ranks = {name: llm.adapters[name].info.rank for name in loaded}
     mapping = dict(zip(names, loaded[:len(names)], strict=True))
     requests = [TraceRequest(r.request_id, r.arrival_s, mapping.get(r.adapter),
                              ranks[mapping[r.adapter]] if r.adapter else 0, r.prompt_len, r.output_len)
@@ -137,7 +137,7 @@ def run_real(llm: LLM, core: EngineCore | TimedCore, trace: Trace, seed: int = 0
              ) -> Summary:
     """Replay `trace` on the real engine, open loop, and summarise it like the twin. In wall time
     it sleeps until each arrival; in CPU time (`CpuClock`) it jumps to it."""
-    ids = {name: llm.adapters.by_name(name).id for name in trace.adapters()}
+    ids = {name: llm.adapters[name].info.id for name in trace.adapters()}
     if wall_clock:
         clock = MonotonicClock()
 
@@ -157,7 +157,7 @@ def run_real(llm: LLM, core: EngineCore | TimedCore, trace: Trace, seed: int = 0
 def closed_batch(llm: LLM, core: TimedCore, batch: int, prompt_len: int, output_len: int,
                  adapters: list[str | None], rng: random.Random) -> None:
     vocab = llm.model_config.vocab_size
-    ids = [llm.adapters.by_name(a).id if a else None for a in adapters]
+    ids = [llm.adapters[a].info.id if a else None for a in adapters]
     requests = [Request(f"grid-{rng.random()}", [rng.randrange(3, vocab) for _ in range(prompt_len)],
                         SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0),
                         adapter=ids[i % len(ids)]) for i in range(batch)]
@@ -171,7 +171,7 @@ def closed_batch(llm: LLM, core: TimedCore, batch: int, prompt_len: int, output_
 
 def run_grid(llm: LLM, core: TimedCore, quick: bool, seed: int) -> None:
     rng = random.Random(seed)
-    names = sorted(llm.adapters.names())
+    names = sorted(llm.adapters)
     batches = (1, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64)
     prompts = (16, 256) if quick else (16, 64, 256, 768)
     adapter_sets: list[list[str | None]] = [[None], names] if quick else [[None], names[:1], names[:4], names]
@@ -187,7 +187,7 @@ def run_open_loop(llm: LLM, core: TimedCore, quick: bool, seed: int, max_model_l
     """Poisson replays with Azure-conv lengths; more adapters than slots makes the engine load some."""
     # the last rate overloads the tiny CPU model: large batches with long contexts are measured too
     for i, rps in enumerate((4.0, 10.0, 30.0) if quick else (3.0, 8.0, 16.0, 24.0, 40.0)):
-        spec = fidelity_spec(rps, 6.0 if quick else 30.0, seed + i, len(llm.adapters.names()), max_model_len)
+        spec = fidelity_spec(rps, 6.0 if quick else 30.0, seed + i, len(llm.adapters), max_model_len)
         run_real(llm, core, bind_adapters(generate(spec), llm), seed, wall_clock)
 
 
@@ -208,7 +208,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         raise CommandError(f"{folder} is not a folder of PEFT adapters; pass --adapters")
     for path in sorted(p for p in folder.iterdir() if (p / "adapter_config.json").is_file()):
         llm.add_adapter(path.name, path)
-    if not llm.adapters.names():
+    if not llm.adapters:
         raise CommandError(f"no PEFT adapters found in {folder}")
     return llm
 
@@ -242,7 +242,7 @@ def check(llm: LLM, profile: Profile, duration_s: float, seed: int, loads: tuple
           wall_clock: bool = False) -> list[dict]:
     """Real engine vs twin on the same trace at `loads` x the twin's saturation rate."""
     max_len = llm.engine_config.max_model_len
-    adapters = len(llm.adapters.names())
+    adapters = len(llm.adapters)
     # a long twin-only trace: short ones under-read throughput at the window's edges
     capacity = saturation_rps(profile, lambda rps: bind_adapters(
         generate(fidelity_spec(rps, CAPACITY_TRACE_S, seed, adapters, max_len)), llm), llm.engine_config)
