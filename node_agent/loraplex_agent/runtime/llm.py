@@ -45,17 +45,15 @@ class LLM:
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
-                   scheduler_options=parse_scheduler_options(getattr(args, "scheduler_option", None) or []),
-                   memory_policy=args.memory_policy,
-                   prefix_cache=not getattr(args, "no_prefix_cache", False),
-                   num_host_blocks=getattr(args, "num_host_blocks", None),
-                   memory_options=parse_scheduler_options(getattr(args, "memory_option", None) or []),
-                   emulate_h2d_gbps=getattr(args, "emulate_h2d_gbps", None),
-                   cpu_assist={"on": True, "off": False}.get(getattr(args, "cpu_assist", "auto")),
-                   cuda_graphs=False if getattr(args, "enforce_eager", False) else None,
-                   pinned_adapter_gib=getattr(args, "pinned_adapter_memory", DEFAULT_PINNED_ADAPTER_GIB),
-                   served_model_name=getattr(args, "served_model_name", None),
-                   threads=getattr(args, "threads", None))
+                   scheduler_options=parse_scheduler_options(args.scheduler_option),
+                   memory_policy=args.memory_policy, prefix_cache=not args.no_prefix_cache,
+                   num_host_blocks=args.num_host_blocks, memory_options=parse_scheduler_options(args.memory_option),
+                   emulate_h2d_gbps=args.emulate_h2d_gbps,
+                   cpu_assist={"on": True, "off": False}.get(args.cpu_assist),
+                   cuda_graphs=False if args.enforce_eager else None,
+                   pinned_adapter_gib=args.pinned_adapter_memory,
+                   served_model_name=getattr(args, "served_model_name", None),  # the agent's flag only
+                   threads=args.threads)
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, block_size: int = EngineConfig.block_size,
