@@ -14,7 +14,7 @@ from loraplex.spec.adapter import AdapterInfo
 
 
 class ClusterEngine(Protocol):
-    adapters: Mapping[str, Any]  # in host memory, by name; each has `info` (AdapterInfo) and `path`
+    adapters: Mapping[str, Any]  # the servable ones by name; each has `info` (AdapterInfo) and `path` (its folder)
 
     @property
     def healthy(self) -> bool:

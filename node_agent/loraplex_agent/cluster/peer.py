@@ -24,7 +24,7 @@ def add_peer_routes(app: FastAPI, engine, api_key: str | None) -> None:
             error = AuthenticationError("a valid API key is required to fetch adapters")
             return JSONResponse(error.to_openai(), status_code=error.status)
         loaded = engine.adapters.get(name)
-        folder = Path(loaded.path) if loaded else None
+        folder = Path(loaded.path) if loaded and loaded.path else None  # None: made in memory
         if folder is None or not all((folder / f).is_file() for f in ADAPTER_FILES):
             error = NotFoundError(f"adapter {name!r} is not held here", param="name")
             return JSONResponse(error.to_openai(), status_code=error.status)
