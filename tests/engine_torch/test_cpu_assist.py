@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from loraplex_agent import cpu_assist
+from loraplex_agent.runtime import cpu_assist
 from loraplex_agent.runtime.llm import LLM
 from oracle_cases import GREEDY, MIX, prompts
 from safetensors.torch import load_file, save_file
