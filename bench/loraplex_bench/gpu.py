@@ -309,7 +309,7 @@ def decode_sweep(bench: Bench, dtype: torch.dtype, bandwidth: float, prompt_len:
                 continue
             used = [pool[i % count] if count else None for i in range(batch)]
             step_s = bench.step_time(used, prompt_len, steps)
-            ranks = [bench.store.get(a).rank for a in set(used) if a is not None]
+            ranks = [bench.store.host(a).rank for a in set(used) if a is not None]
             nbytes = bytes_per_decode_step(bench.model_config, dtype, batch, prompt_len + steps, ranks)
             results.append(DecodeResult(batch, len(ranks), cuda_graphs, step_s, batch / step_s, nbytes,
                                         nbytes / bandwidth / step_s))
