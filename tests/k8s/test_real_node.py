@@ -418,6 +418,7 @@ def test_a_deleted_adapter_is_no_longer_served(quickstart: str) -> None:
 
 
 def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, release: Release) -> None:
+    _keep_logs()  # the routers so far: the upgrade replaces them
     upgraded = release.upgrade({"router": {**release.values["router"], "ttfbDeadline": 20}})
     assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
     kubectl("rollout", "status", f"deployment/{ROUTER}", "--timeout=300s", namespace=SYSTEM_NS)
@@ -427,6 +428,7 @@ def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, rele
 
 
 def test_helm_uninstall_keeps_the_crds_and_the_users_objects(quickstart: str, release: Release) -> None:
+    _keep_logs()  # the routers' and Redis' logs go with the release
     release.uninstall()
     for crd in CRDS:
         assert "deletionTimestamp" not in get_json("crd", crd)["metadata"], crd
