@@ -155,7 +155,10 @@ def pool_timer(spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta, name: str,
     result = pool_tick(ref, meta.get("generation"), parsed, previous, deployments,
                        _ready_pods(ready_pods_by_pool, namespace, name), deps)
     if previous is None or result.status.to_k8s() != previous.to_k8s():
-        patch.status.update(result.status.to_patch())
+        # appliedHash is pool_changed's alone: kopf runs this timer beside the handlers, so the status
+        # this tick read may predate pool_changed's last write, and writing it back would make a later
+        # change back to those objects look applied already.
+        patch.status.update({k: v for k, v in result.status.to_patch().items() if k != "appliedHash"})
     if result.replicas is not None:
         patch.spec["servers"] = {"replicas": result.replicas}
     _post(deps, ref, result.events)

@@ -15,7 +15,7 @@ import kopf
 import pytest
 from hub_files import hub_files
 from loraplex_operator import handlers
-from operator_world import NS, World
+from operator_world import NS, World, merge
 
 from loraplex.routing import InMemoryRoutingStore
 
@@ -58,6 +58,26 @@ def test_pool_create_applies_owned_objects(world: World) -> None:
         "replicas": 1, "selector": "app.kubernetes.io/component=agent,loraplex.io/pool=tiny"}
     world.kube.applied.clear()  # a restart resumes the pool: the same objects are not applied again
     assert dict(world.call(handlers.pool_changed, "AdapterPool", "tiny")) == {} and world.kube.applied == []
+
+
+def test_a_tick_that_read_the_pool_before_a_spec_change_leaves_its_applied_hash(world: World) -> None:
+    """kopf runs the pool's timer beside its handlers: a tick that read the status before
+    pool_changed applied a change must not write the older appliedHash back, or a later change back
+    to those objects is taken as applied already (on a real node the pool was scaled 2 -> 3 -> 2 and
+    its StatefulSet stayed at 3)."""
+    key = ("AdapterPool", NS, "tiny")
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    read_by_the_tick = copy.deepcopy(world.kube.objects[key])
+    world.kube.objects[key]["spec"]["servers"]["replicas"] = 2
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    assert world.kube.objects[("StatefulSet", NS, "tiny")]["spec"]["replicas"] == 2
+    current, world.kube.objects[key] = world.kube.objects[key], read_by_the_tick
+    tick = dict(world.tick("tiny"))
+    world.kube.objects[key] = merge(current, tick)  # the API server merges the tick's patch last
+    assert tick["status"]["phase"] and "appliedHash" not in tick["status"]
+    world.kube.objects[key]["spec"]["servers"]["replicas"] = 1
+    world.call(handlers.pool_changed, "AdapterPool", "tiny")
+    assert world.kube.objects[("StatefulSet", NS, "tiny")]["spec"]["replicas"] == 1
 
 
 def test_adapter_registered_inspected_and_routed_at_once(world: World) -> None:

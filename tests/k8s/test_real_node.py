@@ -2,8 +2,9 @@
 from the Dockerfile, `helm install`, the CPU quick start applied exactly as the README says, every
 adapter served through the router Service, the dashboard's queries answered by a Prometheus that
 scrapes the pods, and then the faults a cluster meets: an agent pod deleted under traffic, the
-operator restarted, Redis restarted, the pool scaled up and down, adapters deleted, `helm upgrade`
-and `helm uninstall`.
+operator restarted, Redis restarted, the pool scaled up and down, adapters deleted, `helm upgrade`,
+the gateway values (the pool's InferencePool, and its endpoint picker answering a client that speaks
+ext_proc as Envoy does) and `helm uninstall`.
 
 The tests run in file order against one release, and only where the environment names such a
 cluster:
@@ -22,6 +23,7 @@ apply to it), else through `kubectl port-forward`, as the README does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -42,6 +44,7 @@ import yaml
 from dashboard import check_panel, queries
 from kube import GROUP, get_json, kubectl
 from loraplex_bench.closed_loop import ClosedLoop
+from loraplex_bench.gateway_client import Exchange, Gateway
 from prometheus import Prometheus, Target, scrape_jobs
 from tools import require_module, require_tool
 from waiting import wait_for
@@ -60,6 +63,7 @@ RUN = uuid.uuid4().hex[:5]
 RELEASE, SYSTEM_NS, USER_NS = "loraplex", f"lpx-{RUN}", f"lpx-qs-{RUN}"
 ROUTER = "loraplex-router"  # the release name holds the chart's, so objects are named loraplex-<part>
 READY_TIMEOUT_S = 900  # image start, model generation, the CPU kernel's first build, on 2 cores
+GIE_CRD = Path(__file__).parent / "fixtures" / "inferencepools.inference.networking.k8s.io.yaml"
 CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev"]
 
@@ -108,6 +112,7 @@ class Release:
         self.helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
         self.values = _values()
         self.installed = False
+        self.installed_gie_crd = False
 
     def config(self):
         return self.helm.Config(kubeconfig_path=os.environ["KUBECONFIG"], namespace=SYSTEM_NS)
@@ -271,6 +276,8 @@ def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
                         check=False)
         for ns in (USER_NS, SYSTEM_NS):
             kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        if chart.installed_gie_crd:  # only the copy these tests installed: a user's own stays
+            kubectl("delete", "-f", str(GIE_CRD), "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -418,6 +425,7 @@ def test_a_deleted_adapter_is_no_longer_served(quickstart: str) -> None:
 
 
 def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, release: Release) -> None:
+    _keep_logs()  # the routers so far: the upgrade replaces them
     upgraded = release.upgrade({"router": {**release.values["router"], "ttfbDeadline": 20}})
     assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
     kubectl("rollout", "status", f"deployment/{ROUTER}", "--timeout=300s", namespace=SYSTEM_NS)
@@ -426,7 +434,47 @@ def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, rele
     wait_for("serving after the upgrade", lambda: all(_serves(quickstart, m) for m in ADAPTERS[:-1]), timeout=120)
 
 
+async def _through_the_picker(target: str, model: str) -> Exchange:
+    gateway = Gateway(target)
+    try:
+        body = json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 4}).encode()
+        return await gateway.send(body, pieces=16)
+    finally:
+        await gateway.close()
+
+
+def test_the_gateway_values_make_an_inference_pool_whose_picker_routes_to_an_agent_that_serves(
+        quickstart: str, release: Release) -> None:
+    """GIE's InferencePool CRD installed (the tests' copy of its v1 fields), then `helm upgrade` with
+    the gateway values: the operator makes the pool's InferencePool, the routers (the picker) turn
+    Ready, and a client speaking ext_proc as Envoy does to the picker Service gets, for every adapter,
+    an agent that serves the request."""
+    crd = GIE_CRD.stem
+    if kubectl("get", "crd", crd, check=False).returncode != 0:
+        kubectl("apply", "--server-side", "-f", str(GIE_CRD))
+        release.installed_gie_crd = True
+    kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    release.upgrade({"gateway": {"inferencePool": {"enabled": True}}})
+    kubectl("rollout", "status", f"deployment/{ROUTER}", "--timeout=300s", namespace=SYSTEM_NS)
+    wait_for("the pool's InferencePool", lambda: get_json(crd, POOL, namespace=USER_NS), timeout=120)
+    spec = get_json(crd, POOL, namespace=USER_NS)["spec"]
+    selector = get_json("statefulset", POOL, namespace=USER_NS)["spec"]["selector"]["matchLabels"]
+    assert spec["selector"]["matchLabels"] == selector and spec["targetPorts"] == [{"number": 8000}]
+    picker = spec["endpointPickerRef"]
+    assert (picker["name"], picker["port"]["number"], picker["failureMode"]) == (f"{POOL}-epp", 9002, "FailClose")
+    service = get_json("service", picker["name"], namespace=SYSTEM_NS)  # the chart's, in the release's namespace
+    target = f"{service['spec']['clusterIP']}:{picker['port']['number']}"
+    agents = {f"{p['status']['podIP']}:8000" for p in get_json("pods", "-l", f"loraplex.io/pool={POOL}",
+                                                                namespace=USER_NS)["items"]}
+    for model in ADAPTERS[:-1]:  # the last one was deleted above
+        exchange = asyncio.run(_through_the_picker(target, model))
+        assert exchange.status == 200 and exchange.served in agents, (model, exchange)
+        assert exchange.destination == exchange.metadata and exchange.destination.split(",")[0] == exchange.served
+        assert json.loads(exchange.body)["usage"]["completion_tokens"] > 0, model
+
+
 def test_helm_uninstall_keeps_the_crds_and_the_users_objects(quickstart: str, release: Release) -> None:
+    _keep_logs()  # the routers' and Redis' logs go with the release
     release.uninstall()
     for crd in CRDS:
         assert "deletionTimestamp" not in get_json("crd", crd)["metadata"], crd
