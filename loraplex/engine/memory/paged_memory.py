@@ -365,10 +365,16 @@ class PagedMemory:
             _, _, node = heapq.heappop(heap)
             if not self.tree.is_evictable(node):
                 continue  # became locked or gained a device child since the heap was built
-            parent = node.parent
-            freed += self._evict(node)
-            if parent is not None and self.tree.is_evictable(parent) and self._evictable(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), next(tiebreak), parent))
+            while node is not None:
+                parent = node.parent
+                freed += self._evict(node)
+                node = None
+                if freed < pages and parent is not None and self.tree.is_evictable(parent) and self._evictable(parent):
+                    key = self._eviction_key(parent)
+                    if heap and not key < heap[0][0]:
+                        heapq.heappush(heap, (key, next(tiebreak), parent))
+                    else:  # it would be popped next (a tie goes behind what is queued): no round trip
+                        node = parent
         return freed >= pages
 
     def _evict(self, node: Node) -> int:
