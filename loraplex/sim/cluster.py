@@ -269,11 +269,7 @@ def _admit(cluster: _Cluster, request: TraceRequest) -> None:
 
 
 def _mean_demand(trace: Trace, duration: float) -> dict[str, float]:
-    tokens: dict[str, float] = {}
-    for r in trace.requests:
-        if r.adapter is not None:
-            tokens[r.adapter] = tokens.get(r.adapter, 0.0) + r.prompt_len + r.output_len
-    return {a: t / duration for a, t in tokens.items()}
+    return {a: t / duration for a, t in trace.rows().tokens_by_adapter().items()}
 
 
 def _added_routes(before: RoutingTable, after: RoutingTable) -> int:

@@ -102,7 +102,7 @@ def trace_duration(trace: Trace) -> float:
 
 
 def offered_tokens(trace: Trace) -> int:
-    return sum(r.prompt_len + r.output_len for r in trace.requests)
+    return int(trace.rows().tokens().sum())
 
 
 def tokens_by(r: RequestResult, t: float) -> float:

@@ -27,12 +27,13 @@ WaitUntil = Callable[[float], None]
 
 def check_fits(trace: Trace, max_model_len: int, max_lora_rank: int) -> None:
     """The twin refuses a trace the engine would reject, rather than fail half-way through it."""
-    longest = max((r.prompt_len + r.output_len for r in trace.requests), default=0)
+    rows = trace.rows()
+    longest = int(rows.tokens().max(initial=0))
     if longest > max_model_len:
         raise ValueError(f"the trace has a request of {longest} tokens but the engine's max_model_len is "
                          f"{max_model_len}; generate it with `loraplex workload generate --max-model-len "
                          f"{max_model_len}` (lengths.max_model_len in a spec)")
-    top = max((r.rank for r in trace.requests), default=0)
+    top = int(rows.rank.max(initial=0))
     if top > max_lora_rank:
         raise ValueError(f"the trace has rank-{top} adapters but the engine's max_lora_rank is {max_lora_rank}; "
                          f"generate it with `loraplex workload generate --max-rank {max_lora_rank}` "
@@ -80,32 +81,33 @@ def replay(core: EngineCore, trace: Trace, ids: dict[str, AdapterId], prompt: Pr
     `progress` is told the trace time every PROGRESS_EVERY arrivals."""
     clock = core.clock
     origin = clock.now()
-    pending = trace.requests
+    pending = iter(trace.requests)  # rows of a columnar trace are built one at a time, as they arrive
     admitted: list[Request] = []
-    i, n = 0, len(pending)
-    while i < n or core.has_unfinished():
+    r = next(pending, None)
+    i = 0
+    while r is not None or core.has_unfinished():
         now = clock.now()
         if horizon_s is not None and now - origin >= horizon_s:
             break
-        while i < n and origin + pending[i].arrival_s <= now:
-            r = pending[i]
+        while r is not None and origin + r.arrival_s <= now:
             request = make_request(r, origin, ids[r.adapter] if r.adapter else None, prompt)
             core.add_request(request)
             admitted.append(request)
             i += 1
             if progress is not None and i % PROGRESS_EVERY == 0:
                 progress(r.arrival_s)
+            r = next(pending, None)
         if core.has_unfinished():
             if spans is None:
                 steps = core.num_steps
                 moved = bool(core.step()) or core.num_steps != steps
             else:
-                until = origin + pending[i].arrival_s if i < n else math.inf
+                until = origin + r.arrival_s if r is not None else math.inf
                 if horizon_s is not None:
                     until = min(until, origin + horizon_s)
                 moved = step(core, spans, until, strict=True) is not None
             if not moved and core.has_unfinished():
                 raise RuntimeError("the engine admits none of its waiting requests while idle")
-        elif i < n:
-            wait_until(origin + pending[i].arrival_s)
+        elif r is not None:
+            wait_until(origin + r.arrival_s)
     return ReplayLog(admitted, origin, clock.now())

@@ -44,7 +44,7 @@ _HOLDS_DEVICE = (Tier.DEVICE, Tier.LOADING)
 NodeKey = AdapterId | tuple[int, ...] | None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a server's prefix cache holds tens of thousands
 class TreeNode:
     """One node. Identity is the object: two nodes with equal fields are still different nodes."""
 
@@ -120,7 +120,7 @@ class DependencyTree:
         self._host_owner: dict[int, TreeNode] = {}
         self._device_counts = {kind: 0 for kind in PageKind}
         self._device_adapters = 0
-        self._evictable: set[TreeNode] = set()
+        self._evictable: dict[NodeKind, set[TreeNode]] = {kind: set() for kind in NodeKind}
         self._swap_in: set[TreeNode] = set()
 
     # ---- adapters -------------------------------------------------------------------------------
@@ -219,8 +219,8 @@ class DependencyTree:
         rest = pages[len(chain):]
         if rest and last.tier is not Tier.DEVICE:  # by I1 a DEVICE node's whole path is on the device
             return Inserted(last, unadopted + rest)
-        for index, page in enumerate(rest, start=first + len(chain)):
-            last = self._add_block(last, self._key(token_ids, index, start), page)
+        if rest:
+            last = self._add_chain(last, token_ids, first + len(chain), start, rest)
         return Inserted(last, unadopted)
 
     def lock(self, node: TreeNode) -> None:
@@ -272,13 +272,16 @@ class DependencyTree:
 
     # ---- queries --------------------------------------------------------------------------------
 
-    def evictable_device_leaves(self) -> list[TreeNode]:
-        """Unlocked, unpinned DEVICE nodes with nothing below them on the device (I2)."""
-        return list(self._evictable)
+    def evictable_device_leaves(self, kind: NodeKind | None = None) -> list[TreeNode]:
+        """Unlocked, unpinned DEVICE nodes with nothing below them on the device (I2); of one kind
+        when `kind` is given (a policy that evicts blocks only need not walk every adapter)."""
+        if kind is not None:
+            return list(self._evictable[kind])
+        return [*self._evictable[NodeKind.ADAPTER], *self._evictable[NodeKind.BLOCK]]
 
     def is_evictable(self, node: TreeNode) -> bool:
         """`node` is one of `evictable_device_leaves()` now (O(1))."""
-        return node.attached and node in self._evictable
+        return node.attached and node in self._evictable[node.kind]
 
     def subtree(self, node: TreeNode) -> list[TreeNode]:
         """`node` and everything below it."""
@@ -349,11 +352,22 @@ class DependencyTree:
 
     # ---- internals: changing nodes --------------------------------------------------------------
 
-    def _add_block(self, parent: TreeNode, key: tuple[int, ...], page: int) -> TreeNode:
-        node = TreeNode(NodeKind.BLOCK, key, parent, Tier.DEVICE, 1, visits=1, last_access=self._clock.now())
-        parent.children[key] = node
-        parent.resident_children += 1
-        self._claim_device(node, [page])
+    def _add_chain(self, parent: TreeNode, token_ids: Sequence[int], index: int, start: int,
+                   pages: Sequence[int]) -> TreeNode:
+        """New DEVICE blocks `index`, `index + 1`, ... of `token_ids` below `parent`, one per page
+        (pages `_check_insert_pages` cleared); returns the deepest. Every block but the deepest has a
+        device child, so only the deepest and `parent` change candidate sets: one pass, no per-block
+        refresh (a request leaving the batch inserts its whole prompt's chain)."""
+        now, owner, key = self._clock.now(), self._device_owner, self._key
+        node = parent
+        for i, page in enumerate(pages, start=index):
+            child = TreeNode(NodeKind.BLOCK, key(token_ids, i, start), node, Tier.DEVICE, 1, device_pages=[page],
+                             visits=1, last_access=now)
+            node.children[child.key] = child
+            node.resident_children += 1
+            owner[page] = child
+            node = child
+        self._device_counts[PageKind.KV] += len(pages)
         self._refresh(node)
         self._refresh(parent)
         return node
@@ -385,11 +399,11 @@ class DependencyTree:
             raise ValueError("cannot drop a subtree a request has locked")
         device: list[int] = []
         host: list[int] = []
-        for gone in self._subtree(node):
+        for gone in self._subtree(node) if node.children else (node,):
             device.extend(self._release_device(gone))
             if gone.host_page is not None:
                 host.append(self._release_host(gone))
-            self._evictable.discard(gone)
+            self._evictable[gone.kind].discard(gone)
             self._swap_in.discard(gone)
             gone.attached = False
         self._detach(node)
@@ -409,9 +423,9 @@ class DependencyTree:
     def _refresh(self, node: TreeNode) -> None:
         """Re-derive `node`'s membership in the two maintained candidate sets."""
         if self._is_evictable(node):
-            self._evictable.add(node)
+            self._evictable[node.kind].add(node)
         else:
-            self._evictable.discard(node)
+            self._evictable[node.kind].discard(node)
         if self._is_swap_in_candidate(node):
             self._swap_in.add(node)
         else:
@@ -489,7 +503,7 @@ class DependencyTree:
             raise ValueError(f"expected a node on {tier.value}, this one is on {node.tier.value}")
 
     def _require_evictable(self, node: TreeNode) -> None:
-        if node not in self._evictable:
+        if node not in self._evictable[node.kind]:
             raise ValueError("the node is locked, pinned or has children on the device (I2)")
 
     # ---- internals: invariant checks ------------------------------------------------------------
@@ -545,7 +559,9 @@ class DependencyTree:
         _expect(adapters == self._device_adapters, "the device adapter count is stale")
 
     def _check_candidate_sets(self, nodes: list[TreeNode]) -> None:
-        _expect(self._evictable == {n for n in nodes if self._is_evictable(n)}, "the evictable set is stale")
+        for kind, evictable in self._evictable.items():
+            _expect(evictable == {n for n in nodes if n.kind is kind and self._is_evictable(n)},
+                    "the evictable set is stale")
         _expect(self._swap_in == {n for n in nodes if self._is_swap_in_candidate(n)},
                 "the swap-in set is stale")
 

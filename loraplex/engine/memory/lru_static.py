@@ -101,6 +101,9 @@ class LruStaticMemory(PagedMemory):
     def _evictable(self, node: Node) -> bool:
         return node.kind is NodeKind.BLOCK  # slots are managed by LRU on their own
 
+    def _eviction_candidates(self) -> list[Node]:
+        return self.tree.evictable_device_leaves(NodeKind.BLOCK)
+
     def _adapter_page_count(self) -> int:
         return sum(len(pages) for pages in self._slot_pages)
 

@@ -346,27 +346,35 @@ class PagedMemory:
         """Whether this policy may take `node` off the device (the tree already says it is a leaf)."""
         return bool(node.device_pages)
 
+    def _eviction_candidates(self) -> list[Node]:
+        """Today's evictable leaves of the tree this policy may take."""
+        return [n for n in self.tree.evictable_device_leaves() if self._evictable(n)]
+
     def _reclaimable(self) -> int:
         """Free pages plus the pages of today's evictable leaves: a lower bound on what eviction
         could free now (evicting a leaf can expose its parent as well)."""
-        return self.pool.num_free + sum(len(n.device_pages) for n in self.tree.evictable_device_leaves()
-                                        if self._evictable(n))
+        return self.pool.num_free + sum(len(n.device_pages) for n in self._eviction_candidates())
 
     def _make_room(self, pages: int) -> bool:
         """Evict unlocked device leaves in the policy's order until `pages` more pages are free."""
         tiebreak = count()
-        heap = [(self._eviction_key(n), next(tiebreak), n) for n in self.tree.evictable_device_leaves()
-                if self._evictable(n)]
+        heap = [(self._eviction_key(n), next(tiebreak), n) for n in self._eviction_candidates()]
         heapq.heapify(heap)
         freed = 0
         while freed < pages and heap:
             _, _, node = heapq.heappop(heap)
             if not self.tree.is_evictable(node):
                 continue  # became locked or gained a device child since the heap was built
-            parent = node.parent
-            freed += self._evict(node)
-            if parent is not None and self.tree.is_evictable(parent) and self._evictable(parent):
-                heapq.heappush(heap, (self._eviction_key(parent), next(tiebreak), parent))
+            while node is not None:
+                parent = node.parent
+                freed += self._evict(node)
+                node = None
+                if freed < pages and parent is not None and self.tree.is_evictable(parent) and self._evictable(parent):
+                    key = self._eviction_key(parent)
+                    if heap and not key < heap[0][0]:
+                        heapq.heappush(heap, (key, next(tiebreak), parent))
+                    else:  # it would be popped next (a tie goes behind what is queued): no round trip
+                        node = parent
         return freed >= pages
 
     def _evict(self, node: Node) -> int:
