@@ -66,7 +66,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="a knob of the prefix-aware router (repeatable), e.g. load_slack=6: a turn fans out k "
                    "checkers at once, and the load ceiling (load_factor x the least queue + load_slack) sends "
                    "those past it to a server without the conversation")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=256,
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="tokens of one prompt an engine step computes at most, on the agents and in the twin "
                    "(the pool's engine.longPrefillTokenThreshold; 0: the whole step budget)")
     p.add_argument("--profile", default="cpu-tiny", help="the twin's latency profile: name or file")
