@@ -19,10 +19,18 @@ computed. Each run tags its text with its mode, k and round, so no run finds ano
 client; `cached` is the sum of `usage.prompt_tokens_details.cached_tokens` over the responses, and
 `engine hits` the change of the agents' `vllm:prefix_cache_hits` over the run.
 
-Twin side: the same workload on token ids through --agents real `EngineCore`s on a virtual clock
-(`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), each session on one server as
-prefix-aware routing keeps it; the engine's own prefix cache keys an activated LoRA's conversation
-as the base model's, as on the agents.
+Both sides run the engines with `--long-prefill-token-threshold` (the pool's
+`engine.longPrefillTokenThreshold`), the same for both arms.
+
+Twin side: the same workload on token ids through --agents real `EngineCore`s on one virtual
+timeline (`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), each session on one
+server as prefix-aware routing keeps it; the engine's own prefix cache keys an activated LoRA's
+conversation as the base model's, as on the agents. EMULATION of the local stack's host: the engines'
+steps stretch by the cores they share (`loraplex.sim.shared_host`, `--twin-host-cores`, a background
+load), and every request reaches its engine one serving path (client, router, HTTP, chat template)
+after it is sent. Both come from the engine side when it ran in the same command or is given with
+`--engine-json`: the serving path is its mean client TTFT minus the agents' own TTFT metric, the
+background its load average beyond its agents and one for the router and client.
 """
 
 from __future__ import annotations
