@@ -19,10 +19,18 @@ computed. Each run tags its text with its mode, k and round, so no run finds ano
 client; `cached` is the sum of `usage.prompt_tokens_details.cached_tokens` over the responses, and
 `engine hits` the change of the agents' `vllm:prefix_cache_hits` over the run.
 
-Twin side: the same workload on token ids through --agents real `EngineCore`s on a virtual clock
-(`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), each session on one server as
-prefix-aware routing keeps it; the engine's own prefix cache keys an activated LoRA's conversation
-as the base model's, as on the agents.
+Both sides run the engines with `--long-prefill-token-threshold` (the pool's
+`engine.longPrefillTokenThreshold`), the same for both arms.
+
+Twin side: the same workload on token ids through --agents real `EngineCore`s on one virtual
+timeline (`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), each session on one
+server as prefix-aware routing keeps it; the engine's own prefix cache keys an activated LoRA's
+conversation as the base model's, as on the agents. EMULATION of the local stack's host: the engines'
+steps stretch by the cores they share (`loraplex.sim.shared_host`, `--twin-host-cores`, a background
+load), and every request reaches its engine one serving path (client, router, HTTP, chat template)
+after it is sent. Both come from the engine side when it ran in the same command or is given with
+`--engine-json`: the serving path is its mean client TTFT minus the agents' own TTFT metric, the
+background its load average beyond its agents and one for the router and client.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import argparse
 import asyncio
 import heapq
 import json
+import os
 import tempfile
 import time
 import zlib
@@ -65,7 +74,22 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="a knob of the prefix-aware router (repeatable), e.g. load_slack=6: a turn fans out k "
                    "checkers at once, and the load ceiling (load_factor x the least queue + load_slack) sends "
                    "those past it to a server without the conversation")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="tokens of one prompt an engine step computes at most, on the agents and in the twin "
+                   "(the pool's engine.longPrefillTokenThreshold; 0: the whole step budget)")
     p.add_argument("--profile", default="cpu-tiny", help="the twin's latency profile: name or file")
+    p.add_argument("--twin-host-cores", type=float, default=float(os.cpu_count() or 1),
+                   help="EMULATION: the cores the twin's agents share (default: this machine's, where the engine "
+                   "side's agents run)")
+    p.add_argument("--twin-background", type=float, default=0.0,
+                   help="EMULATION: other processes keeping a core busy meanwhile (the router and the client, "
+                   "other jobs on the machine)")
+    p.add_argument("--twin-serving-ms", type=float, default=0.0,
+                   help="the serving path per request (client, router, HTTP, chat template) when the engine side "
+                   "did not run to measure it")
+    p.add_argument("--engine-json", default=None, metavar="PATH",
+                   help="with --side twin: the twin against an engine side recorded earlier (its --json): its "
+                   "measured serving path and background load are the twin's, its rows join the table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
 
@@ -86,6 +110,8 @@ class Row:
     cached: int = 0  # every response's reported cached tokens (base and checkers)
     engine_hits: float | None = None  # the agents' prefix hits over the runs (engine side)
     errors: int = 0
+    serving_s: float | None = None  # engine side: mean client TTFT minus the agents' own (their TTFT metric)
+    load: float | None = None  # engine side: the machine's 1-minute load average over the runs
 
 
 @dataclass
@@ -97,16 +123,22 @@ class Run:
     elapsed_s: float = 0.0
     hits: float = 0.0
     errors: int = 0
+    agent_ttft_s: float = 0.0  # the agents' vllm:time_to_first_token_seconds over the run: sum
+    agent_firsts: float = 0.0  # and count
+    load: float = 0.0  # the 1-minute load average, mean of its readings at the run's start and end
 
 
 def pooled(side: str, mode: str, k: int, runs: list[Run]) -> Row:
     requests = [r for run in runs for r in run.requests]
     checkers = [r for r in requests if r[0] == "checker"]
+    firsts = sum(r.agent_firsts for r in runs)
+    serving = _mean(r[1] for r in requests) - sum(r.agent_ttft_s for r in runs) / firsts if firsts else None
     return Row(side, mode, k, sum(r.pipelines for r in runs), _mean(r[1] for r in checkers),
                _mean(r[1] for r in requests if r[0] == "base"),
                sum(r.pipelines for r in runs) / sum(r.elapsed_s for r in runs),
                sum(r[2] for r in checkers), sum(r[3] for r in checkers), sum(r[3] for r in requests),
-               sum(r.hits for r in runs) if side == "engine" else None, sum(r.errors for r in runs))
+               sum(r.hits for r in runs) if side == "engine" else None, sum(r.errors for r in runs), serving,
+               _mean(r.load for r in runs) if side == "engine" else None)
 
 
 def _mean(values) -> float:
@@ -138,14 +170,50 @@ def run(args: argparse.Namespace) -> int:
 
         stage("a tiny model with six adapters of each kind")
         tiny = make_tiny_model(Path(tmp) / "tiny", num_adapters=6, ranks=(8,), seed=args.seed, alora_adapters=6)
-        if args.side in ("twin", "both"):
-            rows += run_twin(args, ks, invocation_tokens(tiny.base_dir))
         if args.side in ("engine", "both"):
             rows += run_engine(args, ks, tiny.base_dir, Path(tmp))
+        elif args.engine_json:
+            rows += recorded_engine_rows(Path(args.engine_json), args, ks)
+        if args.side in ("twin", "both"):
+            rows = run_twin(args, ks, invocation_tokens(tiny.base_dir), measured_host(rows, args.agents)) + rows
     print(report(rows))
     if args.json:
         write_bench_json(Path(args.json), "bench alora", args, {"rows": [asdict(r) for r in rows]})
     return 0
+
+
+SAME_WORKLOAD = ("sessions", "turns", "system_tokens", "user_tokens", "answer_tokens", "check_tokens", "agents",
+                 "long_prefill_token_threshold")
+
+
+def recorded_engine_rows(path: Path, args: argparse.Namespace, ks: list[int]) -> list[Row]:
+    """The engine side's rows of an earlier run's --json, at the chosen ks, of the same workload."""
+    try:
+        doc = json.loads(path.read_text())
+        rows = [Row(**r) for r in doc["rows"] if r["side"] == "engine"]
+        recorded = doc["parameters"]
+        differ = [k for k in SAME_WORKLOAD if recorded[k] != getattr(args, k)]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CommandError(f"--engine-json {path}: not the JSON of a `bench alora` engine side ({exc})") from None
+    if differ:
+        raise CommandError(f"--engine-json {path} ran another workload: " + ", ".join(
+            f"--{k.replace('_', '-')} {recorded[k]}" for k in differ))
+    missing = sorted(set(ks) - {r.k for r in rows})
+    if missing:
+        raise CommandError(f"--engine-json {path} has no engine rows at k={','.join(map(str, missing))}")
+    return [r for r in rows if r.k in ks]
+
+
+def measured_host(rows: list[Row], agents: int) -> dict[int, tuple[float, float]]:
+    """k -> what the engine side measured of its host there, both modes' runs pooled: the serving path
+    per request (seconds), and the background load: the load average beyond the stack's own agents and
+    one more for its router and client."""
+    by_k: dict[int, list[Row]] = {}
+    for r in rows:
+        if r.side == "engine" and r.serving_s is not None and r.load is not None:
+            by_k.setdefault(r.k, []).append(r)
+    return {k: (float(np.mean([r.serving_s for r in v])), max(0.0, float(np.mean([r.load for r in v])) - agents - 1))
+            for k, v in by_k.items()}
 
 
 def report(rows: list[Row]) -> str:
@@ -166,33 +234,55 @@ def report(rows: list[Row]) -> str:
 
 # ---- twin -------------------------------------------------------------------------------------
 
-def run_twin(args: argparse.Namespace, ks: list[int], invocation: list[int]) -> list[Row]:
+def run_twin(args: argparse.Namespace, ks: list[int], invocation: list[int],
+             measured: dict[int, tuple[float, float]] | None = None) -> list[Row]:
+    """`measured`: k -> (serving path seconds, background load) as the engine side measured them; else
+    `--twin-serving-ms` and `--twin-background`."""
     from loraplex.latency.profile import load_profile
 
     profile = load_profile(args.profile)
     rows = []
     for k in ks:
+        serving_s, background = (measured or {}).get(k, (args.twin_serving_ms / 1e3, args.twin_background))
+        stage(f"twin, k={k}: serving path {serving_s * 1e3:.0f} ms, EMULATION: {args.twin_host_cores:g} cores "
+              f"shared, background load {background:.1f}")
         for mode in MODES:
-            stage(f"twin, k={k}, {mode}")
-            rows.append(pooled("twin", mode, k, [twin_run(args, profile, mode, k, invocation)]))
+            rows.append(pooled("twin", mode, k, [twin_run(args, profile, mode, k, invocation, serving_s, background)]))
     return rows
 
 
-def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int]) -> Run:
-    """Every server's sessions on its own simulated engine; the run lasts as long as the slowest."""
+def twin_engine_config(profile, args: argparse.Namespace):  # noqa: ANN001, ANN201 - a Profile, an EngineConfig
+    """The profile's engine settings with the stack's prefill chunking."""
+    return profile.engine_config(long_prefill_token_threshold=args.long_prefill_token_threshold)
+
+
+def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int], serving_s: float,
+             background: float) -> Run:
+    """The agents' engines on one virtual timeline, each session on one of them (prefix-aware routing
+    keeps a conversation where its KV is), their steps stretched by the cores they share (EMULATION:
+    `loraplex.sim.shared_host`), every request reaching its engine `serving_s` after it is sent."""
     from loraplex.sim.server import make_sim_engine
+    from loraplex.sim.shared_host import SharedHost
 
     out = Run()
+    host = SharedHost(args.twin_host_cores, background)
+    servers = []
     for server in range(args.agents):
-        core, clock = make_sim_engine(profile)
+        core, clock = make_sim_engine(profile, twin_engine_config(profile, args))
+        core.executor.host = host
         ids = {}
         for name in checker_names(mode, k):
             ids[name] = AdapterId(name, "sha256:" + name)
             core.add_adapter(AdapterInfo(ids[name], 8, 8 * profile.memory.adapter_bytes_per_rank,
                                          invocation_tokens=tuple(invocation) if mode == "alora" else ()))
         sessions = [s for s in range(args.sessions) if s % args.agents == server]
-        _TwinServer(core, clock, args, ids, invocation, out).play(sessions)
-        out.elapsed_s = max(out.elapsed_s, clock.now())
+        servers.append(_TwinServer(core, clock, args, ids, invocation, out, serving_s, sessions))
+    while True:
+        ready = [(t, i) for i, s in enumerate(servers) if (t := s.next_event()) is not None]
+        if not ready:
+            break
+        servers[min(ready)[1]].advance()
+    out.elapsed_s = max(s.clock.now() for s in servers)
     return out
 
 
@@ -200,53 +290,75 @@ class _TwinServer:
     """Plays its sessions' pipelines on one simulated engine, event by event on its clock."""
 
     def __init__(self, core, clock, args: argparse.Namespace, ids: dict[str, AdapterId], invocation: list[int],
-                 out: Run) -> None:
+                 out: Run, serving_s: float, sessions: list[int]) -> None:
         self.core, self.clock, self.args, self.ids, self.out = core, clock, args, ids, out
-        self.invocation = invocation
+        self.invocation, self.serving_s = invocation, serving_s
         self.waiting: dict[int, set[str]] = {}  # session -> its requests in flight
         self.conversation: dict[int, list[int]] = {}
         self.turn: dict[int, int] = {}
         self.requests: dict[str, tuple[int, str, Request]] = {}
-
-    def play(self, sessions: list[int]) -> None:
-        due = [(0.0, s) for s in sessions]
-        heapq.heapify(due)
+        self.due: list[tuple[float, int, str]] = []  # (arrival at the engine, order, request id)
+        self.asked: list[tuple[float, int]] = [(0.0, s) for s in sessions]  # (sent, session): a base question
+        heapq.heapify(self.asked)
         for s in sessions:
             self.conversation[s], self.turn[s] = _ids(("system", s), self.args.system_tokens), 0
-        while due or self.core.has_unfinished():
-            if not self.core.has_unfinished():
-                self.clock.advance(max(0.0, due[0][0] - self.clock.now()))
-            while due and due[0][0] <= self.clock.now():
-                self._ask_base(heapq.heappop(due)[1])
-            for output in self.core.step():
-                if output.finished and self._finish(output.request_id):
-                    session = self.requests[output.request_id][0]
-                    if self.turn[session] < self.args.turns:
-                        heapq.heappush(due, (self.clock.now(), session))
 
-    def _submit(self, session: int, kind: str, prompt: list[int], adapter: str | None, tokens: int) -> None:
+    def next_event(self) -> float | None:
+        """When this server next does something: its next step, or the next request it is sent."""
+        times = [self.clock.now()] if self.core.has_unfinished() else []
+        times += [self.asked[0][0] + self.serving_s] if self.asked else []
+        times += [self.due[0][0]] if self.due else []
+        return min(times) if times else None
+
+    def advance(self) -> None:
+        """The next event: an idle engine's clock jumps to its next arrival; arrivals join; one step."""
+        if not self.core.has_unfinished():
+            arrival = min(t for t in (self.asked[0][0] + self.serving_s if self.asked else None,
+                                      self.due[0][0] if self.due else None) if t is not None)
+            self.clock.advance(max(0.0, arrival - self.clock.now()))
+        while self.asked and self.asked[0][0] + self.serving_s <= self.clock.now():
+            sent, session = heapq.heappop(self.asked)
+            self._ask_base(session, sent + self.serving_s)
+        while self.due and self.due[0][0] <= self.clock.now():
+            self.core.add_request(self.requests[heapq.heappop(self.due)[2]][2])
+        if not self.core.has_unfinished():
+            return
+        for output in self.core.step():
+            if output.finished and self._finish(output.request_id):
+                session = self.requests[output.request_id][0]
+                if self.turn[session] < self.args.turns:
+                    heapq.heappush(self.asked, (self.clock.now(), session))
+
+    def _submit(self, session: int, kind: str, prompt: list[int], adapter: str | None, tokens: int,
+                arrival: float) -> None:
         request_id = f"s{session}-t{self.turn[session]}-{kind}-{len(self.waiting.get(session, ()))}"
         sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        request = Request(request_id, prompt, sampling, adapter=self.ids.get(adapter) if adapter else None)
-        self.core.add_request(request)
+        request = Request(request_id, prompt, sampling, adapter=self.ids.get(adapter) if adapter else None,
+                          arrival_time=arrival)
         self.requests[request_id] = (session, kind, request)
         self.waiting.setdefault(session, set()).add(request_id)
+        if arrival <= self.clock.now():
+            self.core.add_request(request)
+        else:
+            heapq.heappush(self.due, (arrival, len(self.requests), request_id))
 
-    def _ask_base(self, session: int) -> None:
+    def _ask_base(self, session: int, arrival: float) -> None:
         self.conversation[session] += _ids((session, self.turn[session]), self.args.user_tokens)
-        self._submit(session, "base", list(self.conversation[session]), None, self.args.answer_tokens)
+        self._submit(session, "base", list(self.conversation[session]), None, self.args.answer_tokens, arrival)
 
     def _finish(self, request_id: str) -> bool:
-        """Records a finished request; True when its session's pipeline is over."""
+        """Records a finished request (its TTFT as the client sees it: the serving path included); True
+        when its session's pipeline is over."""
         session, kind, request = self.requests[request_id]
-        self.out.requests.append((kind, request.first_token_time - request.arrival_time, request.num_prompt_tokens,
-                                  request.num_cached_tokens))
+        self.out.requests.append((kind, request.first_token_time - request.arrival_time + self.serving_s,
+                                  request.num_prompt_tokens, request.num_cached_tokens))
         self.waiting[session].discard(request_id)
         if kind == "base":
             self.conversation[session] += request.output_token_ids
             for i, name in enumerate(self.ids):
                 check = self.conversation[session] + self.invocation + _ids(("check", session, i), 8)
-                self._submit(session, "checker", check, name, self.args.check_tokens)
+                self._submit(session, "checker", check, name, self.args.check_tokens,
+                             self.clock.now() + self.serving_s)
             return False
         if self.waiting[session]:
             return False
@@ -271,7 +383,7 @@ def run_engine(args: argparse.Namespace, ks: list[int], model: Path, workdir: Pa
 
     words = vocabulary(model / "tokenizer.json")
     adapters = [n for mode in MODES for n in checker_names(mode, 6)]
-    manifests = write_manifests(workdir / "manifests", model, adapters, args.agents)
+    manifests = write_manifests(workdir / "manifests", model, adapters, args.agents, args.long_prefill_token_threshold)
     first = free_port_block(args.agents + 2)
     config = StackConfig(agents=args.agents, manifests=manifests, model=model, redis_port=first,
                          router_port=first + 1, agent_base_port=first + 2, workdir=workdir,
@@ -293,11 +405,12 @@ def run_engine(args: argparse.Namespace, ks: list[int], model: Path, workdir: Pa
     return rows
 
 
-def write_manifests(folder: Path, model: Path, adapters: list[str], agents: int) -> Path:
+def write_manifests(folder: Path, model: Path, adapters: list[str], agents: int, threshold: int) -> Path:
     """The pool on the tiny model and a LoRADeployment per adapter, on every agent."""
     folder.mkdir(parents=True)
     pool = {"apiVersion": "loraplex.io/v1alpha1", "kind": "AdapterPool", "metadata": {"name": POOL},
             "spec": {"baseModel": {"name": "base", "source": f"file://{model.resolve()}"},
+                     "engine": {"longPrefillTokenThreshold": threshold},
                      "placement": {"intervalSeconds": 600}}}
     (folder / "pool.yaml").write_text(json.dumps(pool))
     for name in adapters:
@@ -311,13 +424,16 @@ def write_manifests(folder: Path, model: Path, adapters: list[str], agents: int)
 def engine_run(url: str, agents: list[str], args: argparse.Namespace, words, mode: str, k: int, tag: str) -> Run:
     from loraplex_bench.prefix_routing_engine import metric_sums
 
-    def hits() -> float:
-        return sum(metric_sums(a + "/metrics", "vllm:prefix_cache_hits")[0] for a in agents)
+    names = ("vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
+
+    def sums() -> np.ndarray:
+        return np.sum([metric_sums(a + "/metrics", *names) for a in agents], axis=0)
 
     out = Run()
-    before, started = hits(), time.monotonic()
+    before, started, load = sums(), time.monotonic(), os.getloadavg()[0]
     asyncio.run(_drive(url, args, words, checker_names(mode, k), tag, out))
-    out.elapsed_s, out.hits = time.monotonic() - started, hits() - before
+    out.elapsed_s, out.load = time.monotonic() - started, (load + os.getloadavg()[0]) / 2
+    out.hits, out.agent_ttft_s, out.agent_firsts = (float(x) for x in sums() - before)
     return out
 
 

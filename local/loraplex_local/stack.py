@@ -37,6 +37,7 @@ from pathlib import Path
 
 from loraplex.placement.controller import PlacementController
 from loraplex.pool import ReplicaBounds, build_controller, replica_bounds, spec_failure
+from loraplex.pool.records import reported_invocations, with_reported_invocation
 from loraplex.ports import in_use, listener
 from loraplex.routing.choice import RoutingChoice, pool_routing
 from loraplex.routing.records import AdapterRecord, ServerRecord
@@ -263,9 +264,11 @@ class LocalStack:
         self.controller.step()
 
     def apply_manifests(self) -> None:
-        """The registry in line with the deployments of this pool; a file whose record cannot be made
+        """The registry in line with the deployments of this pool (with the invocation an agent reported
+        for an activated LoRA of a source read only by the agents); a file whose record cannot be made
         is said once per change and left out, the others apply."""
-        desired = self.desired_records()
+        reported = reported_invocations(self.store.healthy_servers())
+        desired = {n: with_reported_invocation(r, reported) for n, r in self.desired_records().items()}
         stored = {a.name: a for a in self.store.adapters()}
         for name, record in desired.items():
             if name not in stored or stored[name].to_json() != record.to_json():

@@ -1,12 +1,18 @@
 """An adapter's registry record, written the same way by both drivers: the facts learnt from its files
 (digest, rank, size, target modules, an activated LoRA's invocation; the operator reads them over https/hf, `loraplex up` from the
-folder), checked against what the LoRADeployment declares, joined with the pool's base model."""
+folder), checked against what the LoRADeployment declares, joined with the pool's base model.
+
+A source the driver cannot read (file:// inside the pods, s3://, gs://) is registered with the declared
+sha256 and rank alone, so its record cannot say the adapter is an activated LoRA. The agents can read
+it: once one has loaded the adapter it reports the invocation in its heartbeat
+(`ServerRecord.invocations`), and the driver writes it into the record (`with_reported_invocation`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 
-from loraplex.routing.records import AdapterRecord, RecordError
+from loraplex.routing.records import AdapterRecord, RecordError, ServerRecord
 from loraplex.spec.crd import AdapterPoolSpec, AdapterSource, LoRADeploymentSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -84,3 +90,20 @@ def adapter_record(name: str, facts: AdapterFacts, spec: LoRADeploymentSpec, poo
                              invocation_tokens=facts.invocation_tokens).validate()
     except RecordError as exc:
         raise AdapterFactsError("InvalidAdapter", str(exc)) from exc
+
+
+Invocations = Mapping[tuple[str, str], tuple[int, ...]]
+
+
+def reported_invocations(servers: Iterable[ServerRecord]) -> dict[tuple[str, str], tuple[int, ...]]:
+    """(adapter, digest) -> the activated-LoRA invocation the servers read from its files."""
+    return {(name, digest): tuple(tokens) for s in servers for name, digest, tokens in s.invocations}
+
+
+def with_reported_invocation(record: AdapterRecord, reported: Invocations) -> AdapterRecord:
+    """`record`, with the invocation a server reported for its version when the record has none (its
+    source was registered from declared facts)."""
+    tokens = reported.get((record.name, record.digest))
+    if record.invocation_tokens or not tokens:
+        return record
+    return replace(record, invocation_tokens=tokens).validate()

@@ -131,10 +131,15 @@ def alora_body_keys(invocation: Sequence[int], body: Mapping, chunk_chars: int) 
     """Keys of an activated LoRA's request: the base model's keys of what precedes the invocation."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        start = invocation_start(prompt, invocation)
-        return token_keys(adapter_seed(None), prompt[:start] if start is not None else prompt,
-                          chunk_tokens(chunk_chars))
+        return alora_token_keys(invocation, prompt, chunk_tokens(chunk_chars))
     return body_keys(adapter_seed(None), body, chunk_chars)
+
+
+def alora_token_keys(invocation: Sequence[int], prompt: Sequence[int], block: int) -> list[int]:
+    """Keys of an activated LoRA's token-id prompt: the base model's keys of the blocks before the
+    last occurrence of its invocation (all of it when the invocation is absent: the base model runs)."""
+    start = invocation_start(prompt, invocation)
+    return token_keys(adapter_seed(None), prompt[:start] if start is not None else prompt, block)
 
 
 def chunk_tokens(chunk_chars: int) -> int:

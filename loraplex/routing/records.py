@@ -129,6 +129,9 @@ class ServerRecord:
     # (adapter, digest, why) of each registered adapter version its engine refused to load, once fetched
     # and verified (an activated LoRA on the vllm backend, a PEFT feature it lacks): the operator fails it
     refused: tuple[tuple[str, str, str], ...] = ()
+    # (adapter, digest, invocation) of each activated LoRA it loaded whose registry record lacks the
+    # invocation (a source only the agents read: file://, s3://, gs://): the pool's driver writes it in
+    invocations: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
 
     @property
     def peer_url(self) -> str:
@@ -149,6 +152,11 @@ class ServerRecord:
             raise RecordError(f"server {self.id!r}: block_size must be >= 0, got {self.block_size}")
         if not all(len(r) == 3 and all(isinstance(x, str) for x in r) for r in self.refused):
             raise RecordError(f"server {self.id!r}: refused must hold (adapter, digest, why), got {self.refused!r}")
+        if not all(len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], str) and r[2]
+                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in r[2])
+                   for r in self.invocations):
+            raise RecordError(f"server {self.id!r}: invocations must hold (adapter, digest, token ids), "
+                              f"got {self.invocations!r}")
         if self.batch is not None:
             self.batch.validate()
         return self
@@ -165,6 +173,7 @@ class ServerRecord:
             for name in ("capabilities", "gpu_adapters", "host_adapters"):
                 doc[name] = tuple(doc.get(name, ()))
             doc["refused"] = tuple(tuple(r) for r in doc.get("refused", ()))
+            doc["invocations"] = tuple((n, d, tuple(t)) for n, d, t in doc.get("invocations", ()))
             return cls(load=load, batch=None if batch is None else ServerBatch.from_doc(batch), **doc).validate()
         except (ValueError, TypeError, AttributeError) as exc:
             raise RecordError(f"malformed server record: {exc}") from exc

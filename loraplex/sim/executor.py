@@ -27,6 +27,7 @@ from loraplex.engine.messages import DecodeSpan, ExecutorResult, SchedulerOutput
 from loraplex.engine.request import SampledToken
 from loraplex.latency.features import FEATURES, SlotRanks
 from loraplex.latency.profile import Profile
+from loraplex.sim.shared_host import SharedHost
 from loraplex.util.clock import ManualClock
 
 DUMMY_TOKEN = SampledToken(token_id=0)
@@ -79,6 +80,7 @@ class SimExecutor:
         self._growing = min(weights[i] for i in _CONTEXT_TERMS) >= 0.0  # a decode span's steps never shorten
         self.page_bytes = profile.page_bytes(block_size or int(profile.engine.get("block_size", 16)))
         self.link = CopyLink()
+        self.host: SharedHost | None = None  # EMULATION: the cores this engine shares with others (`shared_host`)
         self.busy_s = 0.0  # modelled time spent in steps
         self.sync_copy_s = 0.0  # of which synchronous copies
 
@@ -95,6 +97,8 @@ class SimExecutor:
         result = ExecutorResult(sampled)
         if output.adapter_loads or output.kv_swap_out or output.kv_swap_in or self.link.pending:
             elapsed = self._copies(output, elapsed, result)
+        if self.host is not None:
+            elapsed = self.host.stretch(id(self), self.clock.now(), elapsed)
         self.clock.advance(elapsed)
         self.busy_s += elapsed
         result.elapsed_s = elapsed
@@ -106,6 +110,8 @@ class SimExecutor:
         context terms move (every decode is one position further on): the steps' latencies are one
         vector of the step formula and the clock their running sum, bit for bit what running the steps
         one by one gives, with no per-step Python."""
+        if self.host is not None:
+            raise RuntimeError("decode spans run at once are not timed on a shared host: step the engine instead")
         terms = self._terms(SchedulerOutput(chunks=span.chunks), {})
         first = max(0.0, self._seconds(*terms))
         now, steps = self.clock.now(), span.steps

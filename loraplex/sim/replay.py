@@ -8,7 +8,7 @@ exactly alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -45,12 +45,15 @@ def sim_adapter_id(name: str) -> AdapterId:
 
 
 def register_adapters(core: EngineCore, adapters: dict[str, int], ids: dict[str, AdapterId] | None = None,
-                      bytes_per_rank: int = 0) -> dict[str, AdapterId]:
-    """Add each (name -> rank) adapter to the engine; returns name -> AdapterId."""
-    ids = dict(ids or {})
+                      bytes_per_rank: int = 0,
+                      invocations: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, AdapterId]:
+    """Add each (name -> rank) adapter to the engine, those in `invocations` as activated LoRAs;
+    returns name -> AdapterId."""
+    ids, invocations = dict(ids or {}), invocations or {}
     for name, rank in adapters.items():
         ids.setdefault(name, sim_adapter_id(name))
-        core.add_adapter(AdapterInfo(ids[name], rank, rank * bytes_per_rank))
+        core.add_adapter(AdapterInfo(ids[name], rank, rank * bytes_per_rank,
+                                     invocation_tokens=invocations.get(name, ())))
     return ids
 
 

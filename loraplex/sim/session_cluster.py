@@ -29,7 +29,7 @@ from loraplex.latency.profile import Profile
 from loraplex.placement import OperatingPoints, PlacementAdapter, PlacementInput, PlacementServer, make_policy
 from loraplex.routing.demand import demand_tokens
 from loraplex.routing.pipeline import Candidate, Residency, RouteRequest, make_profile, prefix_config
-from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, token_keys
+from loraplex.routing.prefix import PrefixConfig, PrefixIndex, adapter_seed, alora_token_keys, token_keys
 from loraplex.routing.table import RoutingTable
 from loraplex.sim.gc_pause import cyclic_gc_paused
 from loraplex.sim.metrics import RequestResult, result_of, trace_duration
@@ -38,6 +38,7 @@ from loraplex.sim.replay import register_adapters, sim_adapter_id
 from loraplex.sim.server import make_sim_engine
 from loraplex.sim.sessions import PromptTokens, SessionWorkload, turn_sampling
 from loraplex.sim.trace import Trace, TraceRequest
+from loraplex.spec.alora import invocation_start
 from loraplex.util.clock import ManualClock
 
 TWIN_VOCAB = 32000  # the twin's token ids only need to be distinct, never decoded
@@ -89,9 +90,16 @@ class _Server:
         self.max_rank = core.config.max_lora_rank
 
     def cached_blocks(self, adapter: str, prompt: list[int]) -> int:
-        """Leading blocks of the prompt its prefix cache holds now (0 without a prefix cache)."""
+        """Leading blocks of the prompt its prefix cache holds now (0 without a prefix cache); an
+        activated LoRA's, the base model's blocks before its invocation."""
         tree = getattr(self.core.memory, "tree", None)
-        return tree.cached_blocks(self.ids[adapter], prompt) if tree is not None else 0
+        if tree is None:
+            return 0
+        invocation = self.core.adapters[adapter].invocation_tokens
+        if invocation:
+            start = invocation_start(prompt, invocation)
+            return tree.cached_blocks(None, prompt[:start] if start is not None else prompt)
+        return tree.cached_blocks(self.ids[adapter], prompt)
 
     def candidate(self, adapter: str, phi: float, prefix_blocks: int) -> Candidate:
         scheduler = self.core.scheduler
@@ -164,10 +172,13 @@ class _SessionCluster:
         self.workload = workload
         engine_config = profile.engine_config(**config.engine_overrides)
         ids = {name: sim_adapter_id(name) for name in workload.adapters}
+        self.tokens = PromptTokens(TWIN_VOCAB, seed=workload.spec.seed)
+        self.invocations = workload.invocations(self.tokens)
         self.servers = []
         for i in range(config.servers):
             core, clock = make_sim_engine(profile, engine_config)
-            self.servers.append(_Server(i, core, clock, register_adapters(core, workload.adapters, ids)))
+            self.servers.append(_Server(i, core, clock, register_adapters(core, workload.adapters, ids,
+                                                                          invocations=self.invocations)))
         self.by_id = {s.id: s for s in self.servers}
         self.table = place_sessions(workload, profile, config, engine_config.max_lora_rank)
         rng = random.Random(config.seed)
@@ -178,7 +189,6 @@ class _SessionCluster:
         self.index = PrefixIndex(prefix) if prefix is not None else None
         self.precise = config.prefix_source == "engine"
         self.block = engine_config.block_size
-        self.tokens = PromptTokens(TWIN_VOCAB, seed=workload.spec.seed)
         self.offers = {a: [(self.by_id[r.server], r.weight) for r in self.table.routes(a)] for a in workload.adapters}
         self.due = [(s.arrival_s, s.index, 0) for s in workload.sessions]
         heapq.heapify(self.due)
@@ -204,7 +214,7 @@ class _SessionCluster:
     def _submit(self, index: int, turn: int, at: float) -> None:
         session = self.workload.sessions[index]
         spec = session.turns[turn]
-        new = self.tokens.user(index, turn, spec.user_tokens)
+        new = self.tokens.user(index, turn, spec.user_tokens, session.adapter in self.invocations)
         previous = self.last.get(index)
         prompt = (self.tokens.system(self.workload.adapter_index(session.adapter),
                                      self.workload.spec.system_prompt_tokens) + new if previous is None
@@ -220,8 +230,13 @@ class _SessionCluster:
 
     def _route(self, adapter: str, prompt: list[int], at: float) -> tuple[_Server, int, int]:
         offers = self.offers[adapter]
-        keys = (token_keys(adapter_seed(adapter, sim_adapter_id(adapter).digest), prompt, self.block)
-                if self.index is not None else [])
+        invocation = self.invocations.get(adapter, ())
+        if self.index is None:
+            keys = []
+        elif invocation:  # as the router keys it: the base model's conversation before the invocation
+            keys = alora_token_keys(invocation, prompt, self.block)
+        else:
+            keys = token_keys(adapter_seed(adapter, sim_adapter_id(adapter).digest), prompt, self.block)
         if self.index is None:
             matches = {}
         elif self.precise:
@@ -229,7 +244,7 @@ class _SessionCluster:
         else:
             matches = self.index.matches((s.id for s, _ in offers), keys, at)
         candidates = [server.candidate(adapter, phi, matches.get(server.id, 0)) for server, phi in offers]
-        route = RouteRequest(adapter, self.workload.adapters[adapter], len(prompt), len(keys))
+        route = RouteRequest(adapter, self.workload.adapters[adapter], len(prompt), len(keys), alora=bool(invocation))
         chosen = self.by_id[self.router.pick(route, candidates).server_id]
         if self.index is not None:
             self.index.record(chosen.id, keys, at)

@@ -13,7 +13,10 @@ Workload (the conventions of multi-turn chat benchmarks on ShareGPT, LMSYS-Chat 
   and multiplied by `length_scale` (the CPU engine runs them at about a quarter);
 - think time between a reply and the next turn's arrival is exponential, mean `think_mean_s`;
 - a session ends early once its next turn would not fit `max_model_len` (a chat UI would
-  truncate the history; ending keeps every prompt an extension of the previous one).
+  truncate the history; ending keeps every prompt an extension of the previous one);
+- the first `alora_adapters` adapters (default 0) are activated LoRAs: every user message of their
+  sessions carries the invocation (`INVOCATION_TOKENS` more tokens), so each turn's adapter applies
+  from its own message on and the conversation before it is the base model's (`loraplex.spec.alora`).
 
 Prompts: turn k+1's prompt is turn k's prompt, turn k's actual output tokens and the new user
 tokens. Every session of one adapter starts with that adapter's system prompt of
@@ -71,6 +74,7 @@ class SessionSpec:
     length_scale: float = 1.0
     system_prompt_tokens: int = 64
     max_model_len: int = 4096
+    alora_adapters: int = 0  # the first this many adapters are activated LoRAs
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,7 +84,8 @@ class SessionSpec:
                   "mean_turns": self.mean_turns >= 1, "max_turns": self.max_turns >= 1,
                   "think_mean_s": self.think_mean_s >= 0, "length_scale": self.length_scale > 0,
                   "system_prompt_tokens": self.system_prompt_tokens >= 0,
-                  "max_model_len": self.max_model_len > self.system_prompt_tokens + 8}
+                  "max_model_len": self.max_model_len > self.system_prompt_tokens + 8,
+                  "alora_adapters": 0 <= self.alora_adapters <= self.num_adapters}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid session workload setting(s): {', '.join(bad)} "
@@ -107,6 +112,7 @@ class SessionWorkload:
     spec: SessionSpec
     adapters: dict[str, int]  # name -> rank, in index order
     sessions: list[Session]
+    alora: frozenset[str] = frozenset()  # the adapters that are activated LoRAs
 
     @property
     def num_turns(self) -> int:
@@ -114,6 +120,10 @@ class SessionWorkload:
 
     def adapter_index(self, name: str) -> int:
         return list(self.adapters).index(name)  # once per adapter: the driver caches system prompts
+
+    def invocations(self, tokens: PromptTokens) -> dict[str, tuple[int, ...]]:
+        """The activated LoRAs' invocation (one for all of them) in `tokens`' ids, by adapter."""
+        return {name: tuple(tokens.invocation()) for name in self.adapters if name in self.alora}
 
 
 def make_sessions(spec: SessionSpec) -> SessionWorkload:
@@ -129,20 +139,21 @@ def make_sessions(spec: SessionSpec) -> SessionWorkload:
     if spec.duration_s is not None:
         arrivals = arrivals[arrivals < spec.duration_s]
     choices = rng.choice(spec.num_adapters, size=len(arrivals), p=share)
-    sessions = [Session(i, names[a], float(t), _turns(spec, rng))
+    sessions = [Session(i, names[a], float(t), _turns(spec, rng, a < spec.alora_adapters))
                 for i, (t, a) in enumerate(zip(arrivals, choices, strict=True))]
-    return SessionWorkload(spec, adapters, sessions)
+    return SessionWorkload(spec, adapters, sessions, frozenset(names[:spec.alora_adapters]))
 
 
-def _turns(spec: SessionSpec, rng: np.random.Generator) -> tuple[Turn, ...]:
-    """A session's turns, cut where the conversation would outgrow max_model_len."""
+def _turns(spec: SessionSpec, rng: np.random.Generator, alora: bool = False) -> tuple[Turn, ...]:
+    """A session's turns, cut where the conversation would outgrow max_model_len; an activated LoRA's
+    user messages hold the invocation too."""
     count = min(int(rng.geometric(1.0 / spec.mean_turns)), spec.max_turns)
-    users = USER_TOKENS.sample(rng, count, spec.length_scale)
+    users = USER_TOKENS.sample(rng, count, spec.length_scale) + (INVOCATION_TOKENS if alora else 0)
     outputs = OUTPUT_TOKENS.sample(rng, count, spec.length_scale)
     thinks = rng.exponential(spec.think_mean_s, count) if spec.think_mean_s > 0 else np.zeros(count)
     room = spec.max_model_len - spec.system_prompt_tokens
     # the first turn always fits (shortened if need be); its message opens with the session's tag
-    users[0] = min(max(int(users[0]), TAG_TOKENS), room - 1)
+    users[0] = min(max(int(users[0]), TAG_TOKENS + (INVOCATION_TOKENS if alora else 0)), room - 1)
     outputs[0] = min(int(outputs[0]), room - int(users[0]))
     turns, context = [], spec.system_prompt_tokens
     for k in range(count):
@@ -156,6 +167,7 @@ def _turns(spec: SessionSpec, rng: np.random.Generator) -> tuple[Turn, ...]:
 # ---- token ids ------------------------------------------------------------------------------
 
 TAG_TOKENS = 2  # a session's index in two tokens opens its first user message
+INVOCATION_TOKENS = 4  # an activated LoRA's invocation: after the tag in a first message, else first
 
 
 @dataclass(frozen=True)
@@ -169,11 +181,19 @@ class PromptTokens:
     def system(self, adapter_index: int, count: int) -> list[int]:
         return self._draw((self.seed, 0, adapter_index), count)
 
-    def user(self, session: int, turn: int, count: int) -> list[int]:
+    def user(self, session: int, turn: int, count: int, invoked: bool = False) -> list[int]:
+        """`count` tokens of a user message; `invoked`: an activated LoRA's, holding its invocation."""
         tokens = self._draw((self.seed, 1, session, turn), count)
+        start = TAG_TOKENS if turn == 0 else 0
         if turn == 0:
             tokens[:TAG_TOKENS] = self._tag(session)[:count]
+        if invoked:
+            tokens[start:start + INVOCATION_TOKENS] = self.invocation()[:max(0, count - start)]
         return tokens
+
+    def invocation(self) -> list[int]:
+        """The activated LoRAs' invocation."""
+        return self._draw((self.seed, 2), INVOCATION_TOKENS)
 
     def _tag(self, session: int) -> list[int]:
         base = self.vocab_size - self.first_id
@@ -255,7 +275,7 @@ class _Driver:
 
     def _submit(self, session: Session, turn: int, at: float) -> None:
         spec = session.turns[turn]
-        new = self.tokens.user(session.index, turn, spec.user_tokens)
+        new = self.tokens.user(session.index, turn, spec.user_tokens, session.adapter in self.workload.alora)
         previous = self.last.get(session.index)
         prompt = (self._system(session.adapter) + new if previous is None
                   else previous.prompt_token_ids + previous.output_token_ids + new)

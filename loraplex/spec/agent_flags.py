@@ -51,7 +51,8 @@ def _shared_flags(spec: AdapterPoolSpec) -> list[AgentFlag]:
 
 def _loraplex_flags(engine: EngineSpec) -> list[AgentFlag]:
     """Our engine's batching, memory and scheduling."""
-    flags = _settings(engine, "max_num_batched_tokens", "block_size", "scheduler", "memory_policy", "kv_cache_memory_gib")
+    flags = _settings(engine, "max_num_batched_tokens", "long_prefill_token_threshold", "block_size", "scheduler",
+                      "memory_policy", "kv_cache_memory_gib")
     if not engine.prefix_cache:
         flags.append(AgentFlag(AGENT_SETTINGS["no_prefix_cache"].flag))
     for name, options in (("scheduler_option", engine.scheduler_options), ("memory_option", engine.memory_options)):

@@ -246,6 +246,7 @@ class EngineSpec(CrdModel):
     max_loras: int = ENGINE_SETTINGS["max_loras"].crd_field()
     max_num_seqs: int = ENGINE_SETTINGS["max_num_seqs"].crd_field()
     max_num_batched_tokens: int = ENGINE_SETTINGS["max_num_batched_tokens"].crd_field()
+    long_prefill_token_threshold: int = ENGINE_SETTINGS["long_prefill_token_threshold"].crd_field()
     block_size: int = ENGINE_SETTINGS["block_size"].crd_field()
     kv_cache_memory_gib: float | None = ENGINE_SETTINGS["kv_cache_memory_gib"].crd_field()
     scheduler: str = ENGINE_SETTINGS["scheduler"].crd_field()

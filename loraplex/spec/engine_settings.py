@@ -102,6 +102,10 @@ ENGINE_SETTINGS: dict[str, EngineSetting] = {s.name: s for s in (
          "Adapter slots under memoryPolicy lru-static", ge=1),
     _int("max_num_seqs", 64, "requests in the running batch", ge=1),
     _int("max_num_batched_tokens", 512, "tokens one step computes at most; longer prompts are chunked", ge=16),
+    _int("long_prefill_token_threshold", 0, "tokens of one prompt a step computes at most (0: the whole "
+         "--max-num-batched-tokens), so a short prompt that arrives during a long one's prefill shares the next "
+         "step instead of waiting for the long one to finish (vLLM's flag of that name)",
+         "Tokens of one prompt a step computes at most (0: the whole maxNumBatchedTokens)", ge=0),
     _int("block_size", 16, "tokens per KV block (page)", ge=1),
     EngineSetting("kv_cache_memory_gib", float, None, "memory for the KV cache and the adapter slots in GiB (used "
                   "when --num-blocks is not given)", "Default: sized from free memory", constraints={"gt": 0},

@@ -6,7 +6,8 @@ From https:// and hf:// sources (with the token of the referenced Secret) the op
 decides where the adapter may be placed) and hashes `adapter_model.safetensors` unless the
 LoRADeployment declares `sha256` and `rank`. file:// paths live inside the agent pods and s3:// /
 gs:// need cloud SDKs the slim operator image does not carry: those sources must declare both values,
-and the status says so."""
+and the status says so. Their activated-LoRA invocation comes later, from the agents that load them
+(`loraplex.pool.records.with_reported_invocation`, written by the pool's tick)."""
 
 from __future__ import annotations
 

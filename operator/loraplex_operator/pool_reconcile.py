@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from loraplex.placement.snapshot import PlacementError
 from loraplex.pool import MAX_SERVER_LOAD, replica_bounds, routing_pending, spec_failure
+from loraplex.pool.records import reported_invocations, with_reported_invocation
 from loraplex.routing import (
     DEFAULT_WINDOWS,
     AdapterRecord,
@@ -203,6 +204,20 @@ def _reregister(ref: ObjectRef, pool: AdapterPoolSpec, deployments: Sequence[Dep
     return len(writes)
 
 
+def _learn_invocations(records: Mapping[str, AdapterRecord], servers: Sequence[ServerRecord],
+                       store: RoutingStore) -> Mapping[str, AdapterRecord]:
+    """The records, with the invocation the servers read from an activated LoRA whose source the operator
+    cannot read (file://, s3://, gs://: registered from the declared sha256 and rank) written in."""
+    reported = reported_invocations(servers)
+    if not reported:
+        return records
+    learned = {name: with_reported_invocation(record, reported) for name, record in records.items()}
+    for name, record in learned.items():
+        if record is not records[name]:
+            store.put_adapter(record)
+    return learned
+
+
 def _refused(servers: Sequence[ServerRecord]) -> dict[str, tuple[tuple[str, str, str], ...]]:
     """adapter -> (server, digest, why) of each refusal to load it the servers report."""
     found: dict[str, list[tuple[str, str, str]]] = {}
@@ -377,6 +392,7 @@ def _sync(ref: ObjectRef, spec: AdapterPoolSpec, previous: AdapterPoolStatus | N
                                                                                    seen.records, deps):
         seen.records = {r.name: r for r in store.adapters()}
     seen.table, seen.servers = routes.sync()
+    seen.records = _learn_invocations(seen.records, seen.servers, store)
     due = placement_due(previous.last_placement_time if previous else None, spec.placement.interval_seconds, now)
     if spec.sizing.estimator == "planner":  # before placing: a failed placement must not hold the plan back
         seen.sizing = size_with_planner(ref.name, spec, previous, _planner_floor(deployments), due, deps)

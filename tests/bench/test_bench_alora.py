@@ -30,3 +30,23 @@ def test_twin_side_reports_alora_checkers_reusing_the_conversation(tmp_path, cap
 def test_bad_arguments_are_one_line(flags, message, capsys) -> None:
     assert main(["bench", "alora", "--side", "twin", *flags]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_the_twin_against_a_recorded_engine_side_takes_its_serving_path_and_load(tmp_path, capsys) -> None:
+    """--engine-json: the engine side's rows join the table, and what it measured of its host (the
+    serving path per request, the load beyond its own processes) is the twin's; a recording of another
+    workload is refused in one line."""
+    argv = ["bench", "alora", "--side", "twin", "--ks", "2", "--sessions", "2", "--turns", "2",
+            "--system-tokens", "200"]
+    main([*argv, "--json", str(tmp_path / "twin.json")])
+    recorded = json.loads((tmp_path / "twin.json").read_text())
+    engine = [{**r, "side": "engine", "engine_hits": r["cached"], "serving_s": 0.05, "load": 6.0}
+              for r in recorded["rows"]]  # what an engine side records, in its shape
+    (tmp_path / "engine.json").write_text(json.dumps({**recorded, "rows": engine}))
+    capsys.readouterr()
+    assert main([*argv, "--engine-json", str(tmp_path / "engine.json")]) == 0
+    out = capsys.readouterr()
+    assert "| engine | 2 | alora |" in out.out and "| twin | 2 | alora |" in out.out
+    assert "serving path 50 ms" in out.out and "background load 2.0" in out.out  # 6 - 3 agents - 1
+    assert main([*argv[:-1], "300", "--engine-json", str(tmp_path / "engine.json")]) != 0
+    assert "ran another workload: --system-tokens 200" in capsys.readouterr().err

@@ -31,6 +31,7 @@ ENGINE = {
     "maxLoras": (4, "max_loras", 4),
     "maxNumSeqs": (7, "max_num_seqs", 7),
     "maxNumBatchedTokens": (256, "max_num_batched_tokens", 256),
+    "longPrefillTokenThreshold": (128, "long_prefill_token_threshold", 128),
     "blockSize": (32, "block_size", 32),
     "kvCacheMemoryGib": (3.5, "kv_cache_memory", 3.5),
     "scheduler": ("chameleon", "scheduler", "chameleon"),

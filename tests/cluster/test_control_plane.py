@@ -164,3 +164,31 @@ def test_the_routing_choice_reaches_the_table_one_way_in_both_drivers(tmp_path: 
             assert table.routing == expected and "a" in table.entries
             if previous is not None:
                 assert table.version == previous.version + 1 and table.same_routes(previous)
+
+
+def test_an_invocation_the_agents_report_reaches_the_record_in_both_drivers(tmp_path: Path) -> None:
+    """An s3:// activated LoRA with its digest and rank declared: neither driver reads its config. An
+    agent that loaded it reports the invocation; both drivers write it into the record, and keep it
+    there on their next ticks (the local driver rebuilds its records from the files every tick)."""
+    deployment = {"pool": POOL, "adapter": {"source": "s3://adapters/checker", "sha256": "e" * 64, "rank": 8}}
+    report = (("checker", "sha256:" + "e" * 64, (30, 94, 922)),)
+    world = World("http://127.0.0.1:9")
+    world.create("AdapterPool", POOL, SPEC, "pool-uid")
+    world.create("LoRADeployment", "checker", deployment, "c-uid")
+    world.call(handlers.adapter_changed, "LoRADeployment", "checker")
+    write(tmp_path, "AdapterPool", POOL, SPEC)
+    write(tmp_path, "LoRADeployment", "checker", deployment)
+    stack = LocalStack(StackConfig(manifests=tmp_path, workdir=tmp_path / "work"))
+    stack.store = InMemoryRoutingStore(POOL, ManualClock())
+    stack.controller = stack.build_controller()
+    stack.tick()
+    stores = (world.stores[POOL], stack.store)
+    assert [store.get_adapter("checker").invocation_tokens for store in stores] == [(), ()]
+    world.heartbeat(POOL, "s0", holds=("checker",), invocations=report)
+    stack.store.register_server(ServerRecord("s0", "http://s0:8000", 64, host_adapters=("checker",),
+                                             invocations=report), ttl_s=600)
+    for _ in range(2):
+        world.clock.advance(5)
+        world.tick(POOL)
+        stack.tick()
+        assert [store.get_adapter("checker").invocation_tokens for store in stores] == [(30, 94, 922)] * 2

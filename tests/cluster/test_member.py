@@ -20,7 +20,7 @@ from loraplex_agent.runtime.llm import LLM
 from waiting import wait_until
 
 from loraplex.routing.memory_store import InMemoryRoutingStore
-from loraplex.routing.records import AdapterRecord
+from loraplex.routing.records import AdapterRecord, ServerRecord
 from loraplex.routing.table import RoutingTable, make_entry
 from loraplex.spec.errors import AdapterError, OverloadedError
 from loraplex.util.clock import MonotonicClock
@@ -145,3 +145,21 @@ async def test_a_version_its_engine_refuses_is_in_the_heartbeat_until_unassigned
     publish(member.store, 2, {a: ME})
     await member.reconcile()
     assert member.record().refused == ()
+
+
+async def test_an_activated_lora_whose_record_lacks_the_invocation_reports_it(member, tiny_alora_model):
+    """A file:// (or s3://, gs://) aLoRA is registered from declared facts: no invocation in its record.
+    Once loaded here, the heartbeat carries (adapter, digest, invocation) for the pool's driver to write
+    into the record; once the record has it, the heartbeat stops carrying it."""
+    a = member.names[0]
+    path = tiny_alora_model.adapters["alora00-r8"]
+    invocation = tuple(json.loads((path / "adapter_config.json").read_text())["alora_invocation_tokens"])
+    digest = adapter_digest(path)
+    member.store.put_adapter(AdapterRecord("checker", digest, 8, 1, f"file://{path}"))
+    publish(member.store, 1, {a: ME, "checker": ME})
+    await member.reconcile()
+    assert member.record().invocations == (("checker", digest, invocation),)
+    assert ServerRecord.from_json(member.record().to_json()).invocations == (("checker", digest, invocation),)
+    member.store.put_adapter(AdapterRecord("checker", digest, 8, 1, f"file://{path}", invocation_tokens=invocation))
+    await member.reconcile()
+    assert member.record().invocations == ()

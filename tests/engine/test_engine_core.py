@@ -98,6 +98,28 @@ def test_chunked_prefill_respects_the_token_budget():
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_short_prompt_joins_the_next_step_of_a_long_prefill_under_the_threshold(scheduler):
+    """long_prefill_token_threshold: the long prompt takes at most that many tokens a step, so a short one
+    arriving during its prefill gets the rest of the next step's budget instead of waiting for all of it.
+    Without it (0) the long prefill takes the whole budget every step. The outputs are the same."""
+    first_token_step = {}
+    for threshold in (0, 32):
+        core, executor = make_engine(max_num_batched_tokens=64, long_prefill_token_threshold=threshold,
+                                     scheduler=scheduler)
+        core.add_request(Request("long", list(range(1, 250)), SamplingParams(max_tokens=2)))
+        core.step()
+        core.add_request(Request("short", list(range(300, 320)), SamplingParams(max_tokens=2)))
+        while core.has_unfinished():
+            core.step()
+        steps = executor.steps
+        assert all(step.num_tokens <= 64 for step in steps)
+        assert all(c.num_tokens <= (threshold or 64) for step in steps for c in step.chunks)
+        first_token_step[threshold] = next(i for i, step in enumerate(steps)
+                                           if any(c.request_id == "short" and c.sample for c in step.chunks))
+    assert first_token_step[32] == 1 < first_token_step[0]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_adapter_slots_are_bounded_and_loaded_before_use(scheduler):
     core, executor = make_engine(max_loras=2, scheduler=scheduler, memory_policy="lru-static")
     run_all(core, make_requests(30, seed=3))

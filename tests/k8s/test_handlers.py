@@ -187,6 +187,29 @@ def test_a_version_the_servers_refuse_to_load_fails_until_they_load_it(world: Wo
     assert world.status("LoRADeployment", "checker")["phase"] == "Ready", world.status("LoRADeployment", "checker")
 
 
+def test_an_activated_lora_the_operator_cannot_read_gets_its_invocation_from_the_agents(world: World) -> None:
+    """An s3:// (or gs://, or file:// in the pods) aLoRA is registered from its declared sha256 and rank;
+    the agent that loads it reports the invocation for that version, and the tick writes it into the
+    record, so the router keys its requests as the base model's conversation. A report for another
+    version, or for a record that already has one, changes nothing."""
+    world.heartbeat("tiny", "tiny-0")
+    _declared(world, "checker", 8)
+    assert world.stores["tiny"].get_adapter("checker").invocation_tokens == ()
+    world.heartbeat("tiny", "tiny-0", holds=("checker",),
+                    invocations=(("checker", "sha256:" + "0" * 64, (1, 2)),))  # an older version
+    world.tick("tiny")
+    assert world.stores["tiny"].get_adapter("checker").invocation_tokens == ()
+    world.heartbeat("tiny", "tiny-0", holds=("checker",), invocations=(("checker", "sha256:" + "e" * 64, (30, 94)),))
+    world.clock.advance(5)
+    world.tick("tiny")
+    record = world.stores["tiny"].get_adapter("checker")
+    assert record.is_alora and record.invocation_tokens == (30, 94) and record.digest == "sha256:" + "e" * 64
+    world.heartbeat("tiny", "tiny-0", holds=("checker",), invocations=(("checker", "sha256:" + "e" * 64, (7,)),))
+    world.clock.advance(5)
+    world.tick("tiny")
+    assert world.stores["tiny"].get_adapter("checker").invocation_tokens == (30, 94)
+
+
 def test_missing_pool_is_pending_and_retried(world: World) -> None:
     world.create("LoRADeployment", "orphan", {"pool": "nope", "adapter": {"source": "hf://sql"}}, "o-uid")
     with pytest.raises(kopf.TemporaryError):

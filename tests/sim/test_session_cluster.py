@@ -85,3 +85,45 @@ def test_the_placement_sizes_a_prefix_aware_pool_for_less_demand() -> None:
     assert estimate("prefix-aware") < estimate("loraserve")
     assert estimate("prefix-rank-aware") == estimate("prefix-aware")
     assert estimate("rank-aware") == estimate("loraserve")
+
+
+def test_activated_lora_sessions_are_routed_and_cached_as_the_base_models_conversation(monkeypatch) -> None:
+    """`alora_adapters`: the twin's router gets each such turn with the alora flag (its extra slack) and
+    the base model's keys before the invocation, as the real router does from the registry record; the
+    engines key that history as the base model's, so a later turn hits it even though the previous
+    answer was the adapter's."""
+    import loraplex.sim.session_cluster as session_cluster
+
+    seen = []
+
+    def spying(*args, **kwargs):
+        profile = make_profile(*args, **kwargs)
+        pick = profile.pick
+        profile.pick = lambda route, candidates: seen.append(route) or pick(route, candidates)
+        return profile
+
+    make_profile = session_cluster.make_profile
+    monkeypatch.setattr(session_cluster, "make_profile", spying)
+    workload, result = run("prefix-aware", alora_adapters=3)
+    assert workload.alora == frozenset(list(workload.adapters)[:3])
+    assert len(seen) == workload.num_turns
+    assert {r.adapter for r in seen if r.alora} == workload.alora
+    assert all(r.alora == (r.adapter in workload.alora) for r in seen)
+    assert result.prefix_hit_rate > 0 and 0 < result.predicted_hit_rate <= 1
+    later = [t for t in result.turns if t.turn > 0 and t.adapter in workload.alora]
+    assert later and sum(t.predicted_blocks for t in later) > 0
+
+
+def test_activated_lora_sessions_carry_the_invocation_in_every_user_message() -> None:
+    from loraplex.sim.sessions import INVOCATION_TOKENS, PromptTokens
+
+    plain = make_sessions(SessionSpec(num_adapters=4, num_sessions=20, seed=3))
+    mixed = make_sessions(SessionSpec(num_adapters=4, num_sessions=20, seed=3, alora_adapters=2))
+    assert [s.adapter for s in plain.sessions] == [s.adapter for s in mixed.sessions]
+    for a, b in zip(plain.sessions, mixed.sessions, strict=True):
+        extra = INVOCATION_TOKENS if b.adapter in mixed.alora else 0
+        assert [t.user_tokens + extra for t in a.turns[:len(b.turns)]] == [t.user_tokens for t in b.turns]
+    tokens = PromptTokens(32000)
+    first, later = tokens.user(5, 0, 10, invoked=True), tokens.user(5, 1, 10, invoked=True)
+    assert first[2:2 + INVOCATION_TOKENS] == tokens.invocation() == later[:INVOCATION_TOKENS]
+    assert first[:2] == tokens.user(5, 0, 10)[:2]  # the session's tag still opens it

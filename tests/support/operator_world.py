@@ -187,11 +187,13 @@ class World:
         return self.call(handlers.pool_timer, "AdapterPool", pool)
 
     def heartbeat(self, pool: str, sid: str, holds: tuple[str, ...] = (), max_rank: int = 64,
-                  pod_ready: bool = True, refused: tuple[tuple[str, str, str], ...] = ()) -> None:
+                  pod_ready: bool = True, refused: tuple[tuple[str, str, str], ...] = (),
+                  invocations: tuple[tuple[str, str, tuple[int, ...]], ...] = ()) -> None:
         """The server's agent heartbeats (`refused`: the (adapter, digest, why) its engine refused to
-        load); its pod is Ready unless `pod_ready` is False."""
+        load; `invocations`: the (adapter, digest, invocation) of activated LoRAs it loaded whose record
+        lacks it); its pod is Ready unless `pod_ready` is False."""
         record = ServerRecord(sid, f"http://{sid}:8000", max_rank, host_adapters=holds, heartbeat_at=self.clock.now(),
-                              refused=refused)
+                              refused=refused, invocations=invocations)
         self._store(pool).register_server(record, ttl_s=30)
         pods = self.ready_pods.setdefault(pool, set())
         if pod_ready:

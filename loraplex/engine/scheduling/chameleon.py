@@ -338,7 +338,7 @@ class ChameleonScheduler(BatchScheduler):
                     return
                 entry = queue[i]
                 request = entry.request
-                if min(request.num_tokens - request.num_computed_tokens, step.budget) >= step.kv_refused:
+                if self.first_chunk(request, step.budget) >= step.kv_refused:
                     i += 1
                     continue
                 if self._admit_entry(entry, q, out, step) is Admit.OK:
@@ -478,7 +478,7 @@ class ChameleonScheduler(BatchScheduler):
         first = request.first_scheduled_time is None
         admit = self._admit(request, out, step.budget)
         if admit is Admit.NO_KV:
-            step.kv_refused = min(step.kv_refused, request.num_tokens - request.num_computed_tokens, step.budget)
+            step.kv_refused = min(step.kv_refused, self.first_chunk(request, step.budget))
         if admit is Admit.OK:
             step.budget -= out.chunks[-1].num_tokens
             now = self.clock.now()

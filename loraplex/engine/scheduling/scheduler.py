@@ -2,7 +2,9 @@
 
 There are no prefill or decode phases, only a per-step token budget: every request is given tokens
 so that its computed tokens catch up with its known tokens (prompt chunks first, then one token per
-decode). Running requests go first, oldest first; when KV blocks run out the newest running request
+decode). With `long_prefill_token_threshold` one request's prompt gets at most that many tokens of a
+step, so a short prompt that arrives during a long one's prefill joins the next step instead of
+waiting behind all of it. Running requests go first, oldest first; when KV blocks run out the newest running request
 is preempted; its computed blocks stay in the prefix cache, so it resumes from there. `BatchScheduler` does all of that; a policy only decides which
 waiting requests to admit (`_schedule_waiting`) and keeps its own waiting structure. FIFO admits in
 arrival order while the budget, the batch size, memory and adapters allow; a request whose
@@ -106,6 +108,7 @@ class BatchScheduler:
 
     def __init__(self, config: EngineConfig, memory: DeviceMemory, rank_of: RankOf, clock: Clock) -> None:
         self.config = config
+        self.chunk_tokens = config.prefill_chunk_tokens  # of one request's prompt per step
         self.memory = memory
         self.rank_of = rank_of
         self.clock = clock
@@ -313,8 +316,7 @@ class BatchScheduler:
         adapter = request.adapter
         if adapter is not None and (not self.memory.holds(adapter) or self.memory.loading(adapter)):
             return False
-        first_chunk = min(request.num_tokens - request.num_computed_tokens, budget)
-        return blocks_for(first_chunk, self.config.block_size) <= self.memory.num_free_pages
+        return blocks_for(self.first_chunk(request, budget), self.config.block_size) <= self.memory.num_free_pages
 
     def _held_reason(self, request: Request) -> str:
         """Why the policy left a fitting `request` waiting (`IdleCapacity.reasons`)."""
@@ -365,6 +367,7 @@ class BatchScheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs once per running request per step, hence the locals and the counts read once.
         chunks, allocate, chunk, running = out.chunks, self.memory.allocate, self._chunk, RequestStatus.RUNNING
+        cap = self.chunk_tokens
         for request in list(self.running):  # a copy: preemption removes from self.running
             if budget == 0:
                 break
@@ -373,6 +376,8 @@ class BatchScheduler:
             start = request.num_computed_tokens
             num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
             num_tokens = num_prompt + num_output - start
+            if num_tokens > cap:  # a long prefill leaves room for the requests that arrive meanwhile
+                num_tokens = cap
             if num_tokens > budget:
                 num_tokens = budget
             if allocate(request, num_tokens) or self._allocate_or_preempt(request, num_tokens, out):
@@ -397,7 +402,7 @@ class BatchScheduler:
         if request.num_computed_tokens == 0 and not self.memory.begin(request):
             self._release_slot(request)
             return self._refuse(Admit.NO_SLOT)
-        num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_tokens = self.first_chunk(request, budget)
         if not self.memory.allocate(request, num_tokens):
             self.memory.release(request)
             request.num_computed_tokens = 0
@@ -411,6 +416,10 @@ class BatchScheduler:
         out.chunks.append(self._chunk(request, request.num_computed_tokens, num_tokens,
                                       len(request.prompt_token_ids), len(request.output_token_ids)))
         return Admit.OK
+
+    def first_chunk(self, request: Request, budget: int) -> int:
+        """The tokens `request` would compute if admitted now, with `budget` tokens left in the step."""
+        return min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_tokens)
 
     def _refuse(self, admit: Admit) -> Admit:
         if self._refused is not Admit.NO_KV:  # KV ends a step's admissions; a missing adapter only skips one

@@ -1,8 +1,9 @@
 """An agent as a member of its pool: registration and heartbeats, assignment, prefetch and eviction.
 
 - Every `heartbeat_interval_s` the agent writes its ServerRecord (URL, max rank, load, adapters in
-  GPU and host memory, its live batch by rank for rank-aware routing) with a TTL; a dead agent
-  drops out of the registry when the TTL runs out.
+  GPU and host memory, its live batch by rank for rank-aware routing, the activated LoRAs whose
+  registry record lacks their invocation) with a TTL; a dead agent drops out of the registry when
+  the TTL runs out.
 - On every new table version (pub/sub, or seen by polling) it prefetches the adapters assigned to
   it into host memory and records itself as a location; an adapter no longer assigned for two
   passes in a row is dropped, unless this is its last copy (LoRAServe's rule: never delete it).
@@ -91,7 +92,19 @@ class ClusterMember:
                             gpu_adapters=gpu, host_adapters=tuple(sorted(self.engine.adapters)),
                             heartbeat_at=time.time(), batch=batch, backend=self.backend, agent_url=agent_url,
                             max_adapters=self.max_adapters, block_size=self.engine.kv_block_size,
-                            refused=tuple((n, d, why) for n, (d, why) in sorted(self._refused.items())))
+                            refused=tuple((n, d, why) for n, (d, why) in sorted(self._refused.items())),
+                            invocations=self._invocations())
+
+    def _invocations(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """The activated LoRAs loaded here whose registry record did not say so (a source the pool's
+        driver cannot read): the driver writes the invocation into the record."""
+        found = []
+        for name, record in sorted(self._managed.items()):
+            loaded = self.engine.adapters.get(name)
+            if (not record.invocation_tokens and loaded is not None and loaded.info.id.digest == record.digest
+                    and loaded.info.invocation_tokens):
+                found.append((name, record.digest, tuple(loaded.info.invocation_tokens)))
+        return tuple(found)
 
     async def _heartbeat(self) -> None:
         """Register (renew the TTL) while the engine is healthy; leave the registry while it is not."""
@@ -142,6 +155,8 @@ class ClusterMember:
         wanted = self._assigned | self._managed.keys()
         records = {r.name: r for r in await asyncio.to_thread(self.store.adapters, wanted)}
         self._refused = {n: r for n, r in self._refused.items() if n in records and records[n].digest == r[0]}
+        self._managed.update([(n, records[n]) for n, r in self._managed.items() if n in records
+                              and records[n].digest == r.digest])  # e.g. now with the invocation it reported
         await self._prefetch([records[n] for n in sorted(self._assigned) if n in records])
         await self._evict(records)
         await self._assert_locations(records)

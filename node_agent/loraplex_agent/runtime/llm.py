@@ -43,7 +43,8 @@ class LLM:
         return cls(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                    block_size=args.block_size, num_blocks=args.num_blocks,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_loras=args.max_loras,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   long_prefill_token_threshold=args.long_prefill_token_threshold, max_loras=args.max_loras,
                    max_lora_rank=args.max_lora_rank, scheduler=args.scheduler,
                    scheduler_options=parse_scheduler_options(args.scheduler_option),
                    memory_policy=args.memory_policy, prefix_cache=not args.no_prefix_cache,
@@ -60,6 +61,7 @@ class LLM:
                  num_blocks: int | None = None, kv_cache_memory: float | None = None,
                  max_num_seqs: int = EngineConfig.max_num_seqs,
                  max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+                 long_prefill_token_threshold: int = EngineConfig.long_prefill_token_threshold,
                  max_loras: int = EngineConfig.max_loras, max_lora_rank: int = EngineConfig.max_lora_rank,
                  scheduler: str = EngineConfig.scheduler, scheduler_options: dict | None = None,
                  memory_policy: str = EngineConfig.memory_policy, prefix_cache: bool = True,
@@ -85,8 +87,8 @@ class LLM:
                                kv_cache_memory_gib=kv_cache_memory)
         self.engine_config = EngineConfig(
             max_model_len=max_len, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_loras=max_loras,
-            max_lora_rank=max_lora_rank, scheduler=scheduler, scheduler_options=dict(scheduler_options or {}),
+            max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, scheduler=scheduler, scheduler_options=dict(scheduler_options or {}),
             memory_policy=memory_policy, prefix_cache=prefix_cache,
             num_host_blocks=blocks if num_host_blocks is None else num_host_blocks,
             memory_options=dict(memory_options or {}),

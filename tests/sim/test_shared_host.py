@@ -1,0 +1,37 @@
+"""EMULATION of engines sharing a host's cores (loraplex.sim.shared_host): a step stretches by the
+engines inside a step at its start, plus the background, over the cores; the twin's executor applies
+it."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.output.sampling import SamplingParams
+from loraplex.engine.request import Request
+from loraplex.latency.profile import load_profile
+from loraplex.sim.server import make_sim_engine
+from loraplex.sim.shared_host import SharedHost
+
+
+def test_a_step_stretches_by_the_engines_busy_at_its_start_over_the_cores() -> None:
+    host = SharedHost(cores=2)
+    assert host.stretch(1, 0.0, 1.0) == 1.0  # alone
+    assert host.stretch(2, 0.5, 1.0) == 1.0  # two engines, two cores
+    assert host.stretch(3, 0.6, 1.0) == pytest.approx(1.5)  # three on two cores
+    assert host.stretch(1, 2.2, 1.0) == 1.0  # the others' steps are over by then
+    assert SharedHost(cores=2, background=2).stretch(1, 0.0, 1.0) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        SharedHost(cores=0)
+
+
+def test_the_twin_executor_stretches_its_steps_on_a_shared_host() -> None:
+    profile = load_profile("cpu-tiny")
+    times = []
+    for host in (None, SharedHost(cores=1, background=1)):
+        core, clock = make_sim_engine(profile)
+        core.executor.host = host
+        core.add_request(Request("r", list(range(3, 300)), SamplingParams(max_tokens=4, ignore_eos=True)))
+        while core.has_unfinished():
+            core.step()
+        times.append(clock.now())
+    assert times[1] == pytest.approx(2 * times[0])
