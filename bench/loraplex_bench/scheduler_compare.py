@@ -145,6 +145,7 @@ class RunResult:
     admission_limits: dict[str, int] = field(default_factory=dict)  # waiting steps by what ended admission
     idle: IdleCapacity = field(default_factory=IdleCapacity)  # steps, seats, tokens idle while a request fitted
     idle_admissions: int = 0  # chameleon: started on what its quotas left idle (work-conserving)
+    ahead: int = 0  # requests started while an earlier arrival of their run still waited (FIFO's order: 0 but for skips)
     ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
     steps: int = 0  # engine steps
     step_ms: float = 0.0  # mean wall (engine) or simulated (twin) time of a step
@@ -419,6 +420,7 @@ def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> R
         *wait_and_small_p99(requests), admission_limits=dict(limits),
         idle=sum((s.idle for s in stats), IdleCapacity()),
         idle_admissions=sum(s.num_idle_admissions for s in stats),
+        ahead=sum(started_ahead(run.requests) for run in runs),
         ttft_p99_over_time_s=p99_over_time(runs), rounds=len(runs), steps=sum(run.steps for run in runs),
         step_ms=1e3 * sum(run.elapsed_s for run in runs) / max(1, sum(run.steps for run in runs)),
         adapter_loads=sum(run.adapter_loads for run in runs),
@@ -447,6 +449,18 @@ def wait_and_small_p99(requests: list[Request]) -> tuple[float | None, float | N
              if r.num_prompt_tokens + len(r.output_token_ids) < median]
     return (float(np.percentile(waits, 99)) if waits else None,
             float(np.percentile(small, 99)) if small else None)
+
+
+def started_ahead(requests: list[Request]) -> int:
+    """Requests started before some request that arrived earlier (one never started waits for ever):
+    0 is FIFO's order exactly. When a scheduler's count is 0 its admissions were FIFO's, so any TTFT
+    difference from FIFO's run is the step times', not the order's."""
+    ahead, latest = 0, -math.inf
+    for r in sorted(requests, key=lambda r: (r.arrival_time, r.request_id)):
+        started = math.inf if r.first_scheduled_time is None else r.first_scheduled_time
+        ahead += started < latest
+        latest = max(latest, started)
+    return ahead
 
 
 def fairness(results: list[RequestResult]) -> tuple[float | None, float | None]:
@@ -837,7 +851,7 @@ def print_ratios(blocks: list[Block]) -> None:
     """Every run against FIFO at the same load, one line each: the scheduler-only summary (issue 28)."""
     print("\n== ratios to FIFO at the same load (each block's own FIFO; < 1 is better)")
     print(f"{'side':<7}{'workload':<23}{'memory':<12}{'load':>5} {'scheduler':<10}{'tok/s':>7}{'p99 TTFT':>9}"
-          f"{'p50 TTFT':>9}{'small p99':>10}{'wait p99 s':>11}  {'idle steps/seats/tokens':<24}waiting steps by limit")
+          f"{'p50 TTFT':>9}{'small p99':>10}{'wait p99 s':>11}{'ahead':>6}  {'idle steps/seats/tokens':<24}waiting steps by limit")
     for block in blocks:
         workload = block.settings.get("workload", PAPER_WORKLOAD)
         for r in block.runs:
@@ -845,9 +859,9 @@ def print_ratios(blocks: list[Block]) -> None:
             print(f"{block.side:<7}{workload:<23}{memory:<12}{r.load:>5.2f} {r.scheduler:<10}"
                   f"{_num(r.throughput_vs_fifo, '.3f'):>7}{_num(r.p99_ttft_vs_fifo, '.2f'):>9}"
                   f"{_num(r.p50_ttft_vs_fifo, '.2f'):>9}{_num(r.small_p99_vs_fifo, '.2f'):>10}"
-                  f"{_num(r.wait_p99_s, '.3f'):>11}  {_idle(r):<24}{_counts(r.admission_limits)}")
+                  f"{_num(r.wait_p99_s, '.3f'):>11}{r.ahead:>6}  {_idle(r):<24}{_counts(r.admission_limits)}")
     print("(tok/s: throughput over FIFO's; small p99: TTFT P99 of the requests below the median prompt + output; "
-          "wait: arrival to admission; idle: steps ending with a free seat and unused budget while a waiting "
+          "wait: arrival to admission; ahead: requests started before an earlier arrival (0: FIFO's order); idle: steps ending with a free seat and unused budget while a waiting "
           "request fitted, the seats and tokens left so, and why the scheduler held it; limits: steps that left "
           "requests waiting, by what ended admission — budget, seats, kv, adapter, policy)")
 
@@ -860,14 +874,16 @@ def print_rounds(block: Block) -> None:
     print(f"\n== {block.side}, {workload}, memory_policy={block.memory_policy}: each round (ABBA order) against "
           "FIFO's of the same round")
     print(f"{'round':>5}{'load':>6} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'loads':>6}  idle steps/seats/tokens")
+          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'loads':>6}{'ahead':>6}"
+          "  idle steps/seats/tokens")
     for r in sorted(block.rounds, key=lambda r: (r.load, r.round, r.scheduler != BASELINE)):
         print(f"{r.round + 1:>5}{r.load:>6.2f} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
               f"{_num(r.throughput_vs_fifo, '.3f'):>8}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
               f"{_num(r.p99_ttft_vs_fifo, '.2f'):>8}{_ms(r.small_ttft_p99_s):>10}{_num(r.small_p99_vs_fifo, '.2f'):>8}"
-              f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.adapter_loads:>6}  {_idle(r)}")
+              f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.adapter_loads:>6}{r.ahead:>6}  {_idle(r)}")
     print("(times in ms; step ms: the run's time over its steps, exec ms: of which in the executor; loads: adapter "
-          "copies; pooled over the rounds: the block's table above)")
+          "copies; ahead: requests started before an earlier arrival, 0 when the order was FIFO's; pooled over the "
+          "rounds: the block's table above)")
 
 
 def _idle(r: RunResult) -> str:

@@ -105,6 +105,23 @@ def test_the_fill_goes_past_a_request_refused_for_kv_to_a_smaller_one():
     drain(core, core.clock)
 
 
+def test_an_aged_request_refused_for_kv_keeps_the_pages_that_free_as_fifo_does():
+    core, _, clock = make_core(options={**STATIC, "max_wait_s": 1.0}, num_blocks=24, max_model_len=96,
+                               max_num_batched_tokens=64)
+    core.scheduler.configure([0.01], quota_tokens=[1, 1])
+    running = add(core, req("big0", 40, 40))[0]
+    core.step()
+    big = add(core, req("big1", 60, 4))[0]  # 15 pages for its chunk, 14 are free
+    core.step()
+    clock.advance(1.5)  # big1 is past the aging limit; tiny has just arrived
+    tiny = add(core, req("tiny", 4, 4))[0]
+    core.step()
+    assert is_running(running) and not is_running(big) and not is_running(tiny)
+    assert core.scheduler.stats().idle.reasons == {"aged": 1}
+    drain(core, clock)
+    assert big.first_scheduled_time <= tiny.first_scheduled_time
+
+
 def test_fifo_counts_the_idle_capacity_behind_a_head_refused_for_kv():
     core, _, _ = make_core("fifo", num_blocks=24, max_model_len=96, max_num_batched_tokens=64)
     add(core, req("big0", 40, 40))

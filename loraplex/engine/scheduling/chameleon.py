@@ -8,7 +8,8 @@ equivalents), and joins the size queue its WRS falls in. Every step, after the r
    then oldest first). If one cannot get memory but releasing the younger requests that bypassed
    it would give it some, those are squashed (stopped, their KV dropped, re-queued in arrival
    order) and the head starts. Then every request that has waited past the aging limit, whatever
-   its queue, in arrival order (beyond the paper, `_serve_aged`).
+   its queue, in arrival order (beyond the paper, `_serve_aged`); one refused KV pages ends the
+   step's admissions, the fill below included, as FIFO's head does: the pages that free are its.
 1. Phase 1, smallest queue first: each queue admits in arrival order while its quota has room,
    stopping at the first request that does not fit. A queue left empty lends what it did not use.
 2. Phase 2, smallest queue first: the lent spare admits more, again stopping at a misfit.
@@ -147,6 +148,7 @@ class _Step:
     budget: int
     stopped: bool = False  # a global limit (budget, seats, KV) ended admission for this step
     kv_refused: float = math.inf  # the smallest first chunk (tokens) refused for KV pages this step
+    aged_kv: bool = False  # an aged request was refused KV pages: no one younger takes the pages that free
 
 
 class ChameleonScheduler(BatchScheduler):
@@ -175,6 +177,7 @@ class ChameleonScheduler(BatchScheduler):
         self._blocked: dict[int, _Blocked] = {}
         self._holder: _Blocked | None = None  # the blocked head that memory is reserved for
         self._starved: set[int] = set()
+        self._aged_kv = False  # the last step's admissions ended on an aged request refused KV pages
         self._spare_tokens = self._spare_seats = self._held_total = 0
         self.num_squashes = self.num_bypasses = self.num_refreshes = self.num_idle_admissions = 0
         self.overloaded = False
@@ -321,7 +324,8 @@ class ChameleonScheduler(BatchScheduler):
             spare_seats -= used_seats
         if step.stopped:
             self._starved = {q for q in range(k) if q not in served and self.queues[q]}
-        if self.options.work_conserving:
+        self._aged_kv = step.aged_kv
+        if self.options.work_conserving and not step.aged_kv:
             self._fill(order, out, step)
 
     def _fill(self, order: list[int], out: SchedulerOutput, step: _Step) -> None:
@@ -378,7 +382,9 @@ class ChameleonScheduler(BatchScheduler):
         the aging limit the order is FIFO's, whose waiting-time tail no size order beats: a steady
         stream of small requests cannot hold a large one back for longer than that. A request whose
         adapter is not ready is passed over for the step, as FIFO does; one refused KV pages ends
-        the pass; a queue head that cannot get adapter memory is blocked, as in `_put`."""
+        the step's admissions, the fill included (`_Step.aged_kv`): filling past it let younger
+        requests that need fewer pages take every page that freed, and near capacity the oldest
+        waited on; a queue head that cannot get adapter memory is blocked, as in `_put`."""
         limit = self.max_wait_s()
         if limit <= 0:
             return
@@ -397,6 +403,7 @@ class ChameleonScheduler(BatchScheduler):
             else:
                 where = q
             if where is None or (not self._start(entry, q, where, charge, out, step) and step.stopped):
+                step.aged_kv = step.stopped
                 return
 
     def _start(self, entry: _Entry, q: int, where: int, charge: int, out: SchedulerOutput, step: _Step) -> bool:
@@ -490,9 +497,12 @@ class ChameleonScheduler(BatchScheduler):
         return admit
 
     def _held_reason(self, request: Request) -> str:
-        """Why a waiting request that fits was left waiting: its adapter is reserved for the holder,
+        """Why a waiting request that fits was left waiting: an aged request waits for KV pages (FIFO's
+        stop), its adapter is reserved for the holder,
         its queue's token or seat quota, the pool all charges share, a blocked head it may not pass,
         or its place behind a request that could not start."""
+        if self._aged_kv:
+            return "aged"
         entry = self._entries[request.request_id]
         q = classify(entry.wrs, self.bounds)
         holder = self._holder
