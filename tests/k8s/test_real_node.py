@@ -27,7 +27,6 @@ import os
 import shlex
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ import openai
 import pytest
 import yaml
 from dashboard import check_panel, queries
+from helm_release import CHART, CRDS, Release, e2e_values, keep_logs
 from kube import GROUP, get_json, kubectl
 from loraplex_bench.closed_loop import ClosedLoop
 from prometheus import Prometheus, Target, scrape_jobs
@@ -53,15 +53,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
     reason="needs LORAPLEX_E2E_NODE=1 and KUBECONFIG naming a cluster with a node that runs the images")]
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "loraplex"
 QUICKSTART = ROOT / "examples" / "quickstart-cpu"
 POOL = "tiny"
 RUN = uuid.uuid4().hex[:5]
 RELEASE, SYSTEM_NS, USER_NS = "loraplex", f"lpx-{RUN}", f"lpx-qs-{RUN}"
 ROUTER = "loraplex-router"  # the release name holds the chart's, so objects are named loraplex-<part>
 READY_TIMEOUT_S = 900  # image start, model generation, the CPU kernel's first build, on 2 cores
-CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
-        "kopfpeerings.kopf.dev"]
 
 
 def _adapters() -> list[str]:
@@ -70,15 +67,6 @@ def _adapters() -> list[str]:
 
 
 ADAPTERS = _adapters()
-
-
-def _values() -> dict[str, Any]:
-    values: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "helm" / "values-cpu.yaml").read_text())
-    extra = os.environ.get("LORAPLEX_E2E_VALUES")
-    if extra:
-        for key, value in yaml.safe_load(Path(extra).read_text()).items():
-            values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
-    return values
 
 
 @pytest.fixture(scope="module")
@@ -99,50 +87,6 @@ def images(report: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stderr[-6000:]
     report["images"] = [dict(zip(("image", "size", "build"), line.split("\t"), strict=True))
                         for line in out.stdout.splitlines() if line.count("\t") == 2]
-
-
-class Release:
-    """The chart installed with Helm's own library, as `helm install` would."""
-
-    def __init__(self) -> None:
-        self.helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
-        self.values = _values()
-        self.installed = False
-
-    def config(self):
-        return self.helm.Config(kubeconfig_path=os.environ["KUBECONFIG"], namespace=SYSTEM_NS)
-
-    def install(self) -> None:
-        _adopt_existing_crds()
-        with self.config() as cfg:
-            assert cfg.install(str(CHART), RELEASE, self.values, namespace=SYSTEM_NS, create_namespace=True,
-                               timeout=300)["status"] == "deployed"
-        self.installed = True
-
-    def upgrade(self, values: dict[str, Any]) -> dict[str, Any]:
-        self.values = {**self.values, **values}
-        with self.config() as cfg:
-            return cfg.upgrade(str(CHART), RELEASE, self.values, namespace=SYSTEM_NS, timeout=300)
-
-    def uninstall(self) -> None:
-        with self.config() as cfg:
-            cfg.uninstall(RELEASE, timeout=300)
-        self.installed = False
-
-
-def _adopt_existing_crds() -> None:
-    """CRDs another install left (they are kept on uninstall; `kubectl apply --server-side -f crds/`
-    made them for test_cluster_e2e.py) join this release, as Helm requires: its labels, and their
-    fields owned by Helm's field manager (helm-python-sdk's Helm applies as the process' name), so that
-    a changed CRD installs and upgrades without a server-side-apply conflict with kubectl."""
-    existing = [crd for crd in CRDS if kubectl("get", "crd", crd, check=False).returncode == 0]
-    if existing:  # first the fields (this drops the labels Helm's manager set before), then the labels
-        kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={Path(sys.executable).name}",
-                "-f", str(CHART / "files" / "crds"))
-    for crd in existing:
-        kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
-        kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={RELEASE}",
-                f"meta.helm.sh/release-namespace={SYSTEM_NS}")
 
 
 @dataclass
@@ -234,25 +178,9 @@ def _ready_agents() -> int:
     return (sts.get("status") or {}).get("readyReplicas", 0)
 
 
-def _keep_logs() -> None:
-    """Every Loraplex pod's log (and the previous container's), into LORAPLEX_E2E_LOGS if set."""
-    folder = os.environ.get("LORAPLEX_E2E_LOGS")
-    if not folder:
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    for ns in (SYSTEM_NS, USER_NS):
-        for pod in kubectl("get", "pods", "-o", "name", namespace=ns, check=False).stdout.split():
-            for previous in ("", "--previous"):
-                out = kubectl("logs", pod, "--all-containers", *([previous] if previous else []), namespace=ns,
-                              check=False)
-                if out.stdout:
-                    name = f"{ns}_{pod.removeprefix('pod/')}{previous.replace('--', '_')}.log"
-                    (Path(folder) / name).write_text(out.stdout)
-
-
 @pytest.fixture(scope="module")
 def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
-    chart = Release()
+    chart = Release(RELEASE, SYSTEM_NS, e2e_values())
     started = time.monotonic()
     chart.install()
     report["install_s"] = round(time.monotonic() - started, 1)
@@ -260,7 +188,7 @@ def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
     try:
         yield chart
     finally:
-        _keep_logs()
+        keep_logs(SYSTEM_NS, USER_NS)
         if chart.installed:
             kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
                     namespace=USER_NS, check=False)
@@ -328,7 +256,7 @@ def _container_port(pod: dict[str, Any], port: int | str) -> int:
 def test_the_dashboard_queries_are_answered_by_a_prometheus_scraping_the_pods(quickstart: str, tmp_path) -> None:
     binary = require_tool("prometheus", "apt-get install prometheus")
     helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
-    values = {**_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
+    values = {**e2e_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
     rendered = helm.Chart.load(str(CHART)).render(values=values, name=RELEASE, namespace=SYSTEM_NS)
     monitors = [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
                 for d in yaml.safe_load_all(text) if d and d["kind"] == "ServiceMonitor"]

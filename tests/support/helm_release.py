@@ -1,0 +1,91 @@
+"""The chart as the real-node tests install it (tests/k8s/test_real_node.py, test_gateway_node.py): with
+Helm's own library, as `helm install` would, into a namespace of the test's, with the CPU quick
+start's values and LORAPLEX_E2E_VALUES on top."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kube import kubectl
+from tools import require_module
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "loraplex"
+CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev"]
+
+
+def e2e_values(**more: Any) -> dict[str, Any]:
+    """examples/helm/values-cpu.yaml, then LORAPLEX_E2E_VALUES (a YAML file of more values, e.g.
+    redis.image on an air-gapped node), then `more`; a mapping merges one level deep."""
+    values: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "helm" / "values-cpu.yaml").read_text())
+    extra = os.environ.get("LORAPLEX_E2E_VALUES")
+    layers = [yaml.safe_load(Path(extra).read_text()) if extra else {}, more]
+    for layer in layers:
+        for key, value in layer.items():
+            values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
+    return values
+
+
+class Release:
+    """One release of the chart, installed with Helm's own library."""
+
+    def __init__(self, name: str, namespace: str, values: dict[str, Any]) -> None:
+        self.helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
+        self.name, self.namespace, self.values = name, namespace, values
+        self.installed = False
+
+    def config(self):  # noqa: ANN201 (helm_python's Config)
+        return self.helm.Config(kubeconfig_path=os.environ["KUBECONFIG"], namespace=self.namespace)
+
+    def install(self) -> None:
+        adopt_existing_crds(self.name, self.namespace)
+        with self.config() as cfg:
+            assert cfg.install(str(CHART), self.name, self.values, namespace=self.namespace, create_namespace=True,
+                               timeout=300)["status"] == "deployed"
+        self.installed = True
+
+    def upgrade(self, values: dict[str, Any]) -> dict[str, Any]:
+        self.values = {**self.values, **values}
+        with self.config() as cfg:
+            return cfg.upgrade(str(CHART), self.name, self.values, namespace=self.namespace, timeout=300)
+
+    def uninstall(self) -> None:
+        with self.config() as cfg:
+            cfg.uninstall(self.name, timeout=300)
+        self.installed = False
+
+
+def adopt_existing_crds(release: str, namespace: str) -> None:
+    """CRDs another install left (they are kept on uninstall; `kubectl apply --server-side -f crds/`
+    made them for test_cluster_e2e.py) join this release, as Helm requires: its labels, and their
+    fields owned by Helm's field manager (helm-python-sdk's Helm applies as the process' name), so that
+    a changed CRD installs and upgrades without a server-side-apply conflict with kubectl."""
+    existing = [crd for crd in CRDS if kubectl("get", "crd", crd, check=False).returncode == 0]
+    if existing:  # first the fields (this drops the labels Helm's manager set before), then the labels
+        kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={Path(sys.executable).name}",
+                "-f", str(CHART / "files" / "crds"))
+    for crd in existing:
+        kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
+        kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={release}",
+                f"meta.helm.sh/release-namespace={namespace}")
+
+
+def keep_logs(*namespaces: str) -> None:
+    """Every pod's log (and the previous container's) in these namespaces, into LORAPLEX_E2E_LOGS if set."""
+    folder = os.environ.get("LORAPLEX_E2E_LOGS")
+    if not folder:
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for ns in namespaces:
+        for pod in kubectl("get", "pods", "-o", "name", namespace=ns, check=False).stdout.split():
+            for previous in ("", "--previous"):
+                out = kubectl("logs", pod, "--all-containers", *([previous] if previous else []), namespace=ns,
+                              check=False)
+                if out.stdout:
+                    name = f"{ns}_{pod.removeprefix('pod/')}{previous.replace('--', '_')}.log"
+                    (Path(folder) / name).write_text(out.stdout)
