@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import time
 import uuid
@@ -39,7 +38,7 @@ import openai
 import pytest
 import yaml
 from dashboard import check_panel, queries
-from helm_release import CHART, CRDS, Release, e2e_values, keep_logs
+from helm_release import CHART, CRDS, Release, e2e_values, keep_logs, port_forward, service_address
 from kube import GROUP, get_json, kubectl
 from loraplex_bench.closed_loop import ClosedLoop
 from prometheus import Prometheus, Target, scrape_jobs
@@ -129,26 +128,14 @@ class Traffic(ClosedLoop):
 def _router_url() -> Iterator[str]:
     """The router Service: its ClusterIP where this machine reaches it (it is the node), else a
     `kubectl port-forward` to it."""
-    service = get_json("service", ROUTER, namespace=SYSTEM_NS)
-    try:
-        socket.create_connection((service["spec"]["clusterIP"], 80), timeout=3).close()
-    except OSError:
-        with _port_forward() as url:
-            yield url
-        return
-    yield f"http://{service['spec']['clusterIP']}"
+    with service_address(SYSTEM_NS, ROUTER, 80) as address:
+        yield f"http://{address}"
 
 
 @contextmanager
 def _port_forward() -> Iterator[str]:
-    port = free_port()
-    forward = subprocess.Popen(["kubectl", "-n", SYSTEM_NS, "port-forward", f"svc/{ROUTER}",
-                                f"{port}:80"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        forward.terminate()
-        forward.wait(10)
+    with port_forward(SYSTEM_NS, ROUTER, 80) as address:
+        yield f"http://{address}"
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -5,13 +5,19 @@ start's values and LORAPLEX_E2E_VALUES on top."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
-from kube import kubectl
+from kube import get_json, kubectl
 from tools import require_module
+
+from loraplex.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
@@ -89,3 +95,30 @@ def keep_logs(*namespaces: str) -> None:
                 if out.stdout:
                     name = f"{ns}_{pod.removeprefix('pod/')}{previous.replace('--', '_')}.log"
                     (Path(folder) / name).write_text(out.stdout)
+
+
+@contextmanager
+def service_address(namespace: str, service: str, port: int) -> Iterator[str]:
+    """`host:port` of a Service's port: its ClusterIP where this machine reaches it (it is the node:
+    kube-proxy's rules apply to it), else a `kubectl port-forward` to it."""
+    cluster_ip = get_json("service", service, namespace=namespace)["spec"]["clusterIP"]
+    try:
+        socket.create_connection((cluster_ip, port), timeout=3).close()
+    except OSError:
+        with port_forward(namespace, service, port) as address:
+            yield address
+        return
+    yield f"{cluster_ip}:{port}"
+
+
+@contextmanager
+def port_forward(namespace: str, service: str, port: int) -> Iterator[str]:
+    """`kubectl port-forward svc/<service>` to a local port, as the README does; `127.0.0.1:<port>`."""
+    local = free_port()
+    forward = subprocess.Popen(["kubectl", "-n", namespace, "port-forward", f"svc/{service}", f"{local}:{port}"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        yield f"127.0.0.1:{local}"
+    finally:
+        forward.terminate()
+        forward.wait(10)
