@@ -32,14 +32,12 @@ import pytest
 import yaml
 from gie import CRD, ensure_inference_pool_crd
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helm_release import Release, e2e_values, keep_logs, service_address
+from helm_release import REAL_NODE, Release, e2e_values, keep_logs, remove, service_address
 from kube import GROUP, get_json, kubectl
 from loraplex_bench.gateway_client import Exchange, Gateway
 from waiting import wait_for
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
-    not (os.environ.get("KUBECONFIG") and os.environ.get("LORAPLEX_E2E_NODE")),
-    reason="needs LORAPLEX_E2E_NODE=1 and KUBECONFIG naming a cluster with a node that runs the images")]
+pytestmark = REAL_NODE  # pytest.mark.cluster, run only with LORAPLEX_E2E_NODE and KUBECONFIG set
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart-cpu"
@@ -89,15 +87,7 @@ def release(report: dict[str, Any]) -> Iterator[Release]:
         yield chart
     finally:
         keep_logs(NS)
-        if chart.installed:
-            kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
-                    namespace=NS, check=False)
-            chart.uninstall()
-        for kind in (f"loradeployments.{GROUP}", f"adapterpools.{GROUP}"):  # no operator left to finalize
-            for name in kubectl("get", kind, "-o", "name", namespace=NS, check=False).stdout.split():
-                kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":[]}}', namespace=NS,
-                        check=False)
-        kubectl("delete", "namespace", NS, "--wait=false", check=False)
+        remove(chart, NS, NS)
 
 
 @pytest.fixture(scope="module")

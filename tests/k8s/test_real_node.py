@@ -38,7 +38,17 @@ import openai
 import pytest
 import yaml
 from dashboard import check_panel, queries
-from helm_release import CHART, CRDS, Release, e2e_values, keep_logs, port_forward, service_address
+from helm_release import (
+    CHART,
+    CRDS,
+    REAL_NODE,
+    Release,
+    e2e_values,
+    keep_logs,
+    port_forward,
+    remove,
+    service_address,
+)
 from kube import GROUP, get_json, kubectl
 from loraplex_bench.closed_loop import ClosedLoop
 from prometheus import Prometheus, Target, scrape_jobs
@@ -47,9 +57,7 @@ from waiting import wait_for
 
 from loraplex.ports import free_port
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
-    not (os.environ.get("KUBECONFIG") and os.environ.get("LORAPLEX_E2E_NODE")),
-    reason="needs LORAPLEX_E2E_NODE=1 and KUBECONFIG naming a cluster with a node that runs the images")]
+pytestmark = REAL_NODE  # pytest.mark.cluster, run only with LORAPLEX_E2E_NODE and KUBECONFIG set
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart-cpu"
@@ -176,16 +184,7 @@ def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
         yield chart
     finally:
         keep_logs(SYSTEM_NS, USER_NS)
-        if chart.installed:
-            kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
-                    namespace=USER_NS, check=False)
-            chart.uninstall()
-        for kind in (f"loradeployments.{GROUP}", f"adapterpools.{GROUP}"):  # no operator left to finalize
-            for name in kubectl("get", kind, "-o", "name", namespace=USER_NS, check=False).stdout.split():
-                kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":[]}}', namespace=USER_NS,
-                        check=False)
-        for ns in (USER_NS, SYSTEM_NS):
-            kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        remove(chart, USER_NS, USER_NS, SYSTEM_NS)
 
 
 @pytest.fixture(scope="module")

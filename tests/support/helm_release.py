@@ -13,14 +13,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
-from kube import get_json, kubectl
+from kube import GROUP, get_json, kubectl
 from tools import require_module
 
 from loraplex.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "loraplex"
+# The marks of a test that needs a cluster with a node that runs the images (`pytestmark = REAL_NODE`)
+REAL_NODE = [pytest.mark.cluster, pytest.mark.skipif(
+    not (os.environ.get("KUBECONFIG") and os.environ.get("LORAPLEX_E2E_NODE")),
+    reason="needs LORAPLEX_E2E_NODE=1 and KUBECONFIG naming a cluster with a node that runs the images")]
 CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev"]
 
@@ -79,6 +84,21 @@ def adopt_existing_crds(release: str, namespace: str) -> None:
         kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
         kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={release}",
                 f"meta.helm.sh/release-namespace={namespace}")
+
+
+def remove(chart: Release, pool_namespace: str, *namespaces: str) -> None:
+    """Removes what a test left: the pools and adapters of `pool_namespace` while the release's operator
+    still finalizes them, the release, the finalizers of what is left, then the namespaces."""
+    if chart.installed:
+        kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
+                namespace=pool_namespace, check=False)
+        chart.uninstall()
+    for kind in (f"loradeployments.{GROUP}", f"adapterpools.{GROUP}"):  # no operator left to finalize
+        for name in kubectl("get", kind, "-o", "name", namespace=pool_namespace, check=False).stdout.split():
+            kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":[]}}', namespace=pool_namespace,
+                    check=False)
+    for ns in namespaces:
+        kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def keep_logs(*namespaces: str) -> None:
