@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import yaml
 from gie import CRD, ensure_inference_pool_crd
@@ -110,10 +111,15 @@ def quickstart(release: Release, report: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def picker(quickstart: None) -> Iterator[str]:
-    """The picker Service's address, once it has a Ready endpoint (a router pod)."""
+def picker(quickstart: None, report: dict[str, Any]) -> Iterator[str]:
+    """The picker Service's address, once it has a Ready endpoint (a router pod) and has routed a first
+    request that its agent served (the agents' first CPU kernel build may still be under way)."""
+    started = time.monotonic()
     wait_for("the picker Service's endpoints Ready", lambda: _service_ready(EPP), timeout=300, interval=2)
     with service_address(NS, EPP, PICKER_PORT) as address:
+        wait_for("a first request routed by the picker and served", lambda: _served(address), timeout=300,
+                 interval=3)
+        report["first_served_through_the_picker_s"] = round(time.monotonic() - started, 1)
         yield address
 
 
@@ -139,6 +145,7 @@ def test_helm_install_with_the_gateway_values_makes_the_pools_inference_pool(qui
 
 
 def test_the_pickers_pod_is_ready_and_its_grpc_health_serves(picker: str) -> None:
+    """GIE's three health services, as a gateway (and the kubelet's gRPC probe) asks them."""
     channel = grpc.insecure_channel(picker)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -147,6 +154,20 @@ def test_the_pickers_pod_is_ready_and_its_grpc_health_serves(picker: str) -> Non
             assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
     finally:
         channel.close()
+    router_pods = _pods(get_json("service", EPP, namespace=NS)["spec"]["selector"])
+    assert router_pods and all(_ready(p) for p in router_pods)
+
+
+def _served(picker: str) -> bool:
+    """Whether one request routed by the picker is served; why not is printed (pytest shows it on a failure)."""
+    try:
+        [ex] = _send(picker, [_completion(ADAPTERS[0])])
+    except (grpc.RpcError, httpx.HTTPError) as exc:  # the picker or the agent not answering yet: try again
+        print(f"{time.strftime('%H:%M:%S')} {type(exc).__name__}: {exc}")
+        return False
+    if ex.status != 200:
+        print(f"{time.strftime('%H:%M:%S')} {ex.status} from {ex.served or ex.destination}: {ex.body[:300]!r}")
+    return ex.status == 200
 
 
 def _send(picker: str, bodies: list[bytes]) -> list[Exchange]:
