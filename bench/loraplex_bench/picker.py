@@ -205,11 +205,13 @@ async def _at_once(bench: Bench, profile: str, flags: tuple[str, ...], requests:
     in-flight counts, and the gateway forwards each picked request to its server, so a request counts
     on its server until its answer has passed back (through the picker, as a gateway streams it). Path
     k takes the replay k/len(paths) of the trace later (request i beside request i + k·n/len(paths)),
-    so a request's trips never read each other's count. The servers that answered on each path, in
-    the requests' order, and the seconds taken."""
+    so a request's trips never read each other's count, and each path's prompts begin with its name,
+    so no trip finds another's prefix cached (a prefix-aware pick would follow it). The servers that
+    answered on each path, in the requests' order, and the seconds taken."""
     child, url, target = bench.router(f"router-{profile}", *flags)
     n = len(requests)
     trips = [(k, (i + k * n // len(paths)) % n) for i in range(n) for k in range(len(paths))]
+    bodies = [[_tagged(body, path) for body in requests] for path in paths]
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client, \
             httpx.AsyncClient(timeout=60, limits=limits) as again, \
@@ -220,8 +222,8 @@ async def _at_once(bench: Bench, profile: str, flags: tuple[str, ...], requests:
         async def trip(path_and_request: tuple[int, int]) -> str:
             k, i = path_and_request
             if paths[k] == "picker":
-                return await _picked(bench, gateway, requests[i])
-            return (await _direct(clients[paths[k]], url, requests[i]))[1]
+                return await _picked(bench, gateway, bodies[k][i])
+            return (await _direct(clients[paths[k]], url, bodies[k][i]))[1]
 
         served, seconds = await _each(trip, trips, len(paths) * concurrency)
         await gateway.close()
@@ -230,6 +232,11 @@ async def _at_once(bench: Bench, profile: str, flags: tuple[str, ...], requests:
     for (k, i), server in zip(trips, served, strict=True):
         by_path[paths[k]][i] = server
     return by_path, seconds
+
+
+def _tagged(body: bytes, tag: str) -> bytes:
+    doc = json.loads(body)
+    return json.dumps({**doc, "prompt": f"{tag} {doc['prompt']}"}).encode()
 
 
 async def _one_at_a_time(bench: Bench, profile: str, flags: tuple[str, ...],
