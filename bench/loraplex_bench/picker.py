@@ -181,10 +181,11 @@ async def _shares(bench: Bench, profile: str, requests: list[bytes], concurrency
     Then `identical` requests one at a time through both, seeded alike: how many picks agree."""
     flags = ("--profile", profile, "--seed", str(SEED))
     paths = ("router", "picker", "router_again") if control else ("router", "picker")
-    served, seconds = await _at_once(bench, profile, flags, requests, concurrency, paths)
+    served, seconds, moved = await _at_once(bench, profile, flags, requests, concurrency, paths)
     shares = {path: _by_adapter(requests, served[path]) for path in paths}
     result = _compare(shares["picker"], shares["router"], len(requests), len(paths) * len(requests) / seconds,
                       concurrency)
+    result["moved_off_first_pick"] = moved
     if control:
         again = _compare(shares["router_again"], shares["router"], len(requests), 0.0, concurrency)
         result["control_router_vs_router_max"] = again["picker_vs_router_max"]
@@ -198,7 +199,7 @@ async def _shares(bench: Bench, profile: str, requests: list[bytes], concurrency
 
 
 async def _at_once(bench: Bench, profile: str, flags: tuple[str, ...], requests: list[bytes], concurrency: int,
-                   paths: tuple[str, ...]) -> tuple[dict[str, list[str]], float]:
+                   paths: tuple[str, ...]) -> tuple[dict[str, list[str]], float, dict[str, float]]:
     """Every request through each path ("router": the HTTP router, "picker": the gateway with the
     picker; a path named again is another client of the same kind) in one run of one router process,
     the paths interleaved, `concurrency` requests on each at a time: all read and feed the same
@@ -227,11 +228,14 @@ async def _at_once(bench: Bench, profile: str, flags: tuple[str, ...], requests:
 
         served, seconds = await _each(trip, trips, len(paths) * concurrency)
         await gateway.close()
+    metrics = httpx.get(url + "/metrics").text
     child.stop()
     by_path = {path: [""] * n for path in paths}
     for (k, i), server in zip(trips, served, strict=True):
         by_path[paths[k]][i] = server
-    return by_path, seconds
+    # what moved requests off their first pick, on either path: a share is the answering server's
+    return by_path, seconds, {"retries": _sum(metrics, "loraplex_router_retries_total"),
+                              "ejections": _sum(metrics, "loraplex_router_ejections_total")}
 
 
 def _tagged(body: bytes, tag: str) -> bytes:
