@@ -188,7 +188,10 @@ def _picker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leak-requests", type=int, default=10000, help="requests of the leak part; 0: skip it")
     p.add_argument("--identical", type=int, default=500, help="requests one at a time, seeded alike, whose picks "
                    "must agree between the picker and the HTTP router (share part)")
-    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the share and leak parts")
+    p.add_argument("--control", action="store_true", help="share part: a second HTTP path in the same run, "
+                   "whose difference from the first is the noise a load-dependent pick has")
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent requests of the share and leak parts "
+                   "(in the share part: on each path)")
     p.add_argument("--trace", choices=["code", "conv"], default="conv", help="the Azure 2023 trace replayed")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 

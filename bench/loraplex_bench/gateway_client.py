@@ -3,8 +3,9 @@
 It behaves as Envoy's ext_proc filter does in FULL_DUPLEX_STREAMED mode with GIE's settings: the
 request headers, then the body in many chunks without waiting for replies; it routes to the endpoint
 list the picker returns (going down the list on a refused connection or a 502/503/504, as a retry
-policy does), reports the endpoint that served in the response's metadata, and streams the
-response through the picker chunk by chunk, handing the client what the picker sends back.
+policy does) with the request headers the picker set, reports the endpoint that served in the
+response's metadata, and streams the response through the picker chunk by chunk, handing the client
+what the picker sends back.
 """
 
 from __future__ import annotations
@@ -157,8 +158,10 @@ class Gateway:
         """The first endpoint of the list that answers (the retry policy's walk)."""
         endpoints = ex.destination.split(",")
         for i, endpoint in enumerate(endpoints):
+            headers = {"content-type": "application/json", **ex.request_headers}  # with the picker's mutations
+            headers.pop("content-length", None)  # the client sets it from the body
             request = self.http.build_request("POST", f"http://{endpoint}{path}", content=ex.sent_body,
-                                              headers={"content-type": "application/json"})
+                                              headers=headers)
             try:
                 upstream = await self.http.send(request, stream=True)
             except httpx.TransportError:

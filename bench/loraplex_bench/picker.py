@@ -12,9 +12,12 @@ chunks, forwarding to the chosen endpoint). Three parts, each optional:
    last chunk is read. Beside them, the HTTP router's added latency (routed - direct), as `loraplex
    bench router` measures it.
 2. Shares: `--decisions` requests of a replayed Azure 2023 trace (its order and prompt lengths; the
-   adapter is the prompt length mod 5) through an HTTP router and through a picker, per routing
-   profile, `--concurrency` at a time: per adapter, each server's share of picks by the picker (its
-   primary endpoint), by the HTTP router (the server that answered) and the table's φ. Then `--identical` requests one at a time through both, seeded alike
+   adapter is the prompt length mod 5), per routing profile, every one through the HTTP router and
+   through the picker, the two paths interleaved in one run of one router process, `--concurrency`
+   requests on each at a time: both paths read and feed the same in-flight counts, and the gateway
+   forwards what the picker routes, so a request counts on its server until its answer is through on
+   either path. Per adapter, each server's share of the requests on each path (the server that
+   answered) and the table's φ. Then `--identical` requests one at a time through both, seeded alike
    with one server per request (no fallbacks drawn): the picks must agree request by request.
 3. Leak: `--leak-requests` requests at `--concurrency`, every tenth cancelled (alternately before the
    body ends and after the routing reply); afterwards the picker's open streams, running requests and
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
             result["latency"] = asyncio.run(_latency(bench, args.latency_requests))
         if args.decisions:
             requests = _replay(args.trace, args.decisions)
-            result["shares"] = {p: asyncio.run(_shares(bench, p, requests, args.concurrency, args.identical))
+            result["shares"] = {p: asyncio.run(_shares(bench, p, requests, args.concurrency, args.identical,
+                                                         args.control))
                                 for p in args.profiles.split(",")}
         if args.leak_requests:
             result["leak"] = asyncio.run(_leak(bench, args.leak_requests, args.concurrency))
@@ -170,52 +174,107 @@ async def _latency(bench: Bench, n: int) -> dict:
             "router_added_median_of_pairs_ms": statistics.median(b - a for a, b in zip(direct, routed, strict=True)) * ms}
 
 
-async def _shares(bench: Bench, profile: str, requests: list[bytes], concurrency: int, identical: int) -> dict:
-    """Per adapter and server: the picker's share, the HTTP router's, φ; the largest differences. Then
-    `identical` requests one at a time through both, seeded alike: how many picks agree."""
+async def _shares(bench: Bench, profile: str, requests: list[bytes], concurrency: int, identical: int,
+                  control: bool) -> dict:
+    """Per adapter and server: the picker's share, the HTTP router's, φ; the largest differences (and,
+    with `control`, those between two HTTP paths of the same run: the noise of a load-dependent pick).
+    Then `identical` requests one at a time through both, seeded alike: how many picks agree."""
     flags = ("--profile", profile, "--seed", str(SEED))
-    router, picker = await _picks(bench, profile, flags, requests, concurrency)
-    result = _compare(_by_adapter(requests, picker[0]), _by_adapter(requests, router[0]), len(requests),
-                      picker[1], concurrency)
+    paths = ("router", "picker", "router_again") if control else ("router", "picker")
+    served, seconds, moved = await _at_once(bench, profile, flags, requests, concurrency, paths)
+    shares = {path: _by_adapter(requests, served[path]) for path in paths}
+    result = _compare(shares["picker"], shares["router"], len(requests), len(paths) * len(requests) / seconds,
+                      concurrency)
+    result["moved_off_first_pick"] = moved
+    if control:
+        again = _compare(shares["router_again"], shares["router"], len(requests), 0.0, concurrency)
+        result["control_router_vs_router_max"] = again["picker_vs_router_max"]
+        for adapter, row in again["per_adapter"].items():
+            result["per_adapter"][adapter]["control_router_vs_router"] = row["picker_vs_router"]
     if identical:  # one server per request: no fallback drawn from the random source, no retry
-        router, picker = await _picks(bench, profile, (*flags, "--max-attempts", "1"), requests[:identical], 1)
-        result["sequential_identical_picks"] = f"{sum(a == b for a, b in zip(router[0], picker[0], strict=True))}" \
+        router, picker = await _one_at_a_time(bench, profile, (*flags, "--max-attempts", "1"), requests[:identical])
+        result["sequential_identical_picks"] = f"{sum(a == b for a, b in zip(router, picker, strict=True))}" \
                                                f"/{identical}"
     return result
 
 
-async def _picks(bench: Bench, profile: str, flags: tuple[str, ...], requests: list[bytes],
-                 concurrency: int) -> tuple[tuple[list[str], float], tuple[list[str], float]]:
-    """The server each request went to, through an HTTP router and through a picker (each a fresh router
-    process), and the seconds each took."""
-    child, url, _ = bench.router(f"router-{profile}", *flags)
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency)) as client:
-        async def routed(body: bytes) -> str:
-            return (await _direct(client, url, body))[1]
-        router = await _each(routed, requests, concurrency)
-    child.stop()
-    child, _, target = bench.router(f"picker-{profile}", *flags)
-    gateway = Gateway(target)
+async def _at_once(bench: Bench, profile: str, flags: tuple[str, ...], requests: list[bytes], concurrency: int,
+                   paths: tuple[str, ...]) -> tuple[dict[str, list[str]], float, dict[str, float]]:
+    """Every request through each path ("router": the HTTP router, "picker": the gateway with the
+    picker; a path named again is another client of the same kind) in one run of one router process,
+    the paths interleaved, `concurrency` requests on each at a time: all read and feed the same
+    in-flight counts, and the gateway forwards each picked request to its server, so a request counts
+    on its server until its answer has passed back (through the picker, as a gateway streams it). Path
+    k takes the replay k/len(paths) of the trace later (request i beside request i + k·n/len(paths)),
+    so a request's trips never read each other's count, and each path's prompts begin with its name,
+    so no trip finds another's prefix cached (a prefix-aware pick would follow it). The servers that
+    answered on each path, in the requests' order, and the seconds taken."""
+    child, url, target = bench.router(f"router-{profile}", *flags)
+    n = len(requests)
+    trips = [(k, (i + k * n // len(paths)) % n) for i in range(n) for k in range(len(paths))]
+    bodies = [[_tagged(body, path) for body in requests] for path in paths]
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client, \
+            httpx.AsyncClient(timeout=60, limits=limits) as again, \
+            httpx.AsyncClient(timeout=60, limits=limits) as upstream:
+        gateway = Gateway(target, upstream)
+        clients = {"router": client, "router_again": again}
 
-    async def picked(body: bytes) -> str:
-        ex = await gateway.send(body, pieces=4, forward=False)
-        if ex.immediate:
-            raise CommandError(f"the picker refused a request: {ex.status} {ex.body!r}")
-        return bench.by_endpoint[ex.destination.split(",")[0]]  # the primary; the rest are fallbacks
-    picker = await _each(picked, requests, concurrency)
+        async def trip(path_and_request: tuple[int, int]) -> str:
+            k, i = path_and_request
+            if paths[k] == "picker":
+                return await _picked(bench, gateway, bodies[k][i])
+            return (await _direct(clients[paths[k]], url, bodies[k][i]))[1]
+
+        served, seconds = await _each(trip, trips, len(paths) * concurrency)
+        await gateway.close()
+    metrics = httpx.get(url + "/metrics").text
+    child.stop()
+    by_path = {path: [""] * n for path in paths}
+    for (k, i), server in zip(trips, served, strict=True):
+        by_path[paths[k]][i] = server
+    # what moved requests off their first pick, on either path: a share is the answering server's
+    return by_path, seconds, {"retries": _sum(metrics, "loraplex_router_retries_total"),
+                              "ejections": _sum(metrics, "loraplex_router_ejections_total")}
+
+
+def _tagged(body: bytes, tag: str) -> bytes:
+    doc = json.loads(body)
+    return json.dumps({**doc, "prompt": f"{tag} {doc['prompt']}"}).encode()
+
+
+async def _one_at_a_time(bench: Bench, profile: str, flags: tuple[str, ...],
+                         requests: list[bytes]) -> tuple[list[str], list[str]]:
+    """The server each request went to, one request at a time, through an HTTP router and then through
+    a picker, each a fresh router process seeded alike."""
+    child, url, _ = bench.router(f"router-{profile}-sequential", *flags)
+    async with httpx.AsyncClient(timeout=60) as client:
+        router = [(await _direct(client, url, body))[1] for body in requests]
+    child.stop()
+    child, _, target = bench.router(f"picker-{profile}-sequential", *flags)
+    gateway = Gateway(target)
+    picker = [await _picked(bench, gateway, body) for body in requests]
     await gateway.close()
     child.stop()
     return router, picker
 
 
-async def _each(call, requests: list[bytes], concurrency: int) -> tuple[list[str], float]:
-    """`call` on every request, `concurrency` at a time, results in the requests' order; and the seconds."""
-    out: list[str] = [""] * len(requests)
-    queue = iter(range(len(requests)))
+async def _picked(bench: Bench, gateway: Gateway, body: bytes) -> str:
+    """The server that answered a request the gateway routed with the picker."""
+    ex = await gateway.send(body, pieces=4)
+    if ex.immediate or ex.status != 200:
+        raise CommandError(f"the picker's request failed: {ex.status} {ex.body[:200]!r}")
+    return bench.by_endpoint[ex.served]
+
+
+async def _each(call, items: list, concurrency: int) -> tuple[list, float]:
+    """`call` on every item, `concurrency` at a time, results in the items' order; and the seconds."""
+    out: list = [None] * len(items)
+    queue = iter(range(len(items)))
 
     async def worker() -> None:
         for i in queue:
-            out[i] = await call(requests[i])
+            out[i] = await call(items[i])
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -229,25 +288,30 @@ def _by_adapter(requests: list[bytes], servers: list[str]) -> dict[str, Counter]
     return picks
 
 
-def _compare(picker: dict[str, Counter], router: dict[str, Counter], n: int, seconds: float,
+def _compare(picker: dict[str, Counter], router: dict[str, Counter], n: int, requests_per_s: float,
              concurrency: int) -> dict:
-    """The shares side by side, the largest differences, and the sampling noise: the 95% band of the
-    difference of two independent shares of the smallest adapter's requests at p = 0.5."""
-    table, vs_router, vs_phi = {}, 0.0, 0.0
+    """The shares side by side; per adapter the largest difference picker - HTTP router, picker - φ and
+    HTTP router - φ (a profile that reads load leaves φ on both paths alike); and the sampling noise:
+    the 95% band of the difference of two independent shares of the adapter's requests at p = 0.5."""
+    table = {}
     for adapter in sorted(PHI):
         p_total, r_total = sum(picker[adapter].values()), sum(router[adapter].values())
-        rows = {}
+        rows, worst = {}, {"picker_vs_router": 0.0, "picker_vs_phi": 0.0, "router_vs_phi": 0.0}
         for server in SERVERS:
             p = picker[adapter][server] / p_total if p_total else 0.0
             r = router[adapter][server] / r_total if r_total else 0.0
             phi = PHI[adapter].get(server, 0.0)
             rows[server] = {"picker": round(p, 4), "router": round(r, 4), "phi": phi}
-            vs_router, vs_phi = max(vs_router, abs(p - r)), max(vs_phi, abs(p - phi))
-        table[adapter] = {"requests": p_total, "shares": rows}
-    smallest = min(t["requests"] for t in table.values())
-    return {"decisions": n, "concurrency": concurrency, "picker_decisions_per_s": n / seconds,
-            "picker_vs_router_max": round(vs_router, 4), "picker_vs_phi_max": round(vs_phi, 4),
-            "noise_95_difference": round(1.96 * (2 * 0.25 / smallest) ** 0.5, 4), "per_adapter": table}
+            for key, diff in (("picker_vs_router", p - r), ("picker_vs_phi", p - phi), ("router_vs_phi", r - phi)):
+                worst[key] = max(worst[key], abs(diff))
+        noise = 1.96 * (0.25 / p_total + 0.25 / r_total) ** 0.5 if p_total and r_total else 1.0
+        table[adapter] = {"requests": p_total, **{k: round(v, 4) for k, v in worst.items()},
+                          "noise_95_difference": round(noise, 4), "shares": rows}
+    return {"decisions": n, "concurrency": concurrency, "paths": "interleaved in one router process",
+            "requests_per_s": requests_per_s,
+            **{f"{k}_max": max(t[k] for t in table.values()) for k in ("picker_vs_router", "picker_vs_phi",
+                                                                      "router_vs_phi")},
+            "noise_95_difference": max(t["noise_95_difference"] for t in table.values()), "per_adapter": table}
 
 
 async def _leak(bench: Bench, n: int, concurrency: int) -> dict:

@@ -1,15 +1,29 @@
 """The operator's InferencePool per AdapterPool (Gateway API Inference Extension v1): built by a pure
 function, checked against a CRD written from GIE's published v1 fields (tests/k8s/fixtures), applied by
-the pool handler when the chart asks for it."""
+the pool handler when the chart asks for it.
+
+The CRD checks run twice: with the mirrored API-server rules (tests/support/api_server.py), and, when
+KUBECONFIG names a cluster, on its real API server, which gets the CRD installed (unless GIE's own is
+there) and every object sent as a server-side dry-run create (nothing is stored):
+
+    KUBECONFIG=~/.kube/config pytest tests/k8s/test_inference_pool.py
+"""
 
 from __future__ import annotations
 
+import copy
+import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
 import yaml
+from api_server import decode
+from gie import ensure_inference_pool_crd
+from kube import kubectl
 from loraplex_operator import handlers
 from loraplex_operator.config import OperatorConfig
 from loraplex_operator.kube import KubeError
@@ -64,13 +78,19 @@ def test_several_pools_get_one_each_and_none_without_the_chart_asking() -> None:
     assert "InferencePool" not in kinds
 
 
-@pytest.mark.parametrize("path,value,message", [
-    (("endpointPickerRef", "failureMode"), "Sometimes", "Sometimes"),
-    (("targetPorts",), [], "non-empty"),
-    (("targetPorts",), [{"number": p} for p in range(8001, 8010)], "too long"),
-    (("endpointPickerRef", "port"), None, "port is required"),
-])
-def test_the_crd_refuses_what_gie_refuses(api_server_errors, path, value, message) -> None:
+# (the field, its bad value (None: left out), the mirrored rules' message, the API server's message)
+REFUSED = [
+    (("endpointPickerRef", "failureMode"), "Sometimes", "Sometimes", 'Unsupported value: "Sometimes"'),
+    (("targetPorts",), [], "non-empty", "should have at least 1 items"),
+    (("targetPorts",), [{"number": p} for p in range(8001, 8010)], "too long", "must have at most 8 items"),
+    (("targetPorts",), [{"number": 8000}, {"number": 8000}], "port number must be unique",
+     "port number must be unique"),
+    (("endpointPickerRef", "port"), None, "port is required", "port is required when kind is 'Service'"),
+    (("selector", "matchLabels"), {"app": "-bad-"}, "does not match", "should match"),
+]
+
+
+def _broken(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     pool = build_inference_pool(PoolRef("llama", "ns", "u"), _spec(), GATEWAY)
     node = pool["spec"]
     for key in path[:-1]:
@@ -79,8 +99,65 @@ def test_the_crd_refuses_what_gie_refuses(api_server_errors, path, value, messag
         del node[path[-1]]
     else:
         node[path[-1]] = value
-    errors = api_server_errors(pool, schema=_schema())
+    return pool
+
+
+@pytest.mark.parametrize("path,value,message,_", REFUSED)
+def test_the_crd_refuses_what_gie_refuses(api_server_errors, path, value, message, _) -> None:
+    errors = api_server_errors(_broken(path, value), schema=_schema())
     assert any(message in e for e in errors), errors
+
+
+# ---- on a real API server --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dry_run_create() -> Callable[[dict[str, Any]], tuple[dict[str, Any] | None, str]]:
+    """Sends an object to the real API server as a server-side dry-run create in `default`; returns
+    (the object as the server would store it, None when refused; the server's message)."""
+    if not os.environ.get("KUBECONFIG"):
+        pytest.skip("needs KUBECONFIG (a real API server)")
+    ensure_inference_pool_crd()
+
+    def create(obj: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["namespace"] = "default"
+        out = kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", namespace="default",
+                      stdin=json.dumps(obj), check=False)
+        return (json.loads(out.stdout) if out.returncode == 0 else None), out.stderr.strip()
+
+    return create
+
+
+@pytest.mark.parametrize("backend,config", [("", GATEWAY), ("vllm", OperatorConfig(
+    inference_pool=True, picker_port=9100, picker_failure_mode="FailOpen"))])
+def test_the_api_server_stores_the_operators_pools_as_built(dry_run_create, backend, config) -> None:
+    pool = build_inference_pool(PoolRef("llama", "serving", "uid-1"), _spec(**({"backend": backend} if backend
+                                                                                 else {})), config)
+    stored, message = dry_run_create(pool)
+    assert stored is not None, message
+    assert stored["spec"] == pool["spec"]  # nothing pruned, nothing defaulted: the operator writes it all
+    assert stored["metadata"]["ownerReferences"] == pool["metadata"]["ownerReferences"]
+
+
+@pytest.mark.parametrize("path,value,_,message", REFUSED)
+def test_the_api_server_refuses_what_gie_refuses(dry_run_create, path, value, _, message) -> None:
+    stored, answer = dry_run_create(_broken(path, value))
+    assert stored is None and message in answer, answer
+
+
+def test_the_api_server_defaults_what_the_operator_may_leave_out(dry_run_create) -> None:
+    """GIE's defaults, as the server applies them (a pool written by hand, as docs/gateway.md shows)."""
+    pool = build_inference_pool(PoolRef("llama", "ns", "u"), _spec(), GATEWAY)
+    for key in ("group", "kind", "failureMode"):
+        del pool["spec"]["endpointPickerRef"][key]
+    del pool["spec"]["appProtocol"]
+    stored, message = dry_run_create(pool)
+    assert stored is not None, message
+    assert stored["spec"]["appProtocol"] == "http"
+    assert {k: stored["spec"]["endpointPickerRef"][k] for k in ("group", "kind", "failureMode")} == \
+        {"group": "", "kind": "Service", "failureMode": "FailClose"}
+    assert stored["spec"] == decode(pool, _schema())[0]["spec"]  # the mirrored rules default alike
 
 
 def test_config_from_the_charts_environment() -> None:

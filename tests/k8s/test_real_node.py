@@ -2,9 +2,8 @@
 from the Dockerfile, `helm install`, the CPU quick start applied exactly as the README says, every
 adapter served through the router Service, the dashboard's queries answered by a Prometheus that
 scrapes the pods, and then the faults a cluster meets: an agent pod deleted under traffic, the
-operator restarted, Redis restarted, the pool scaled up and down, adapters deleted, `helm upgrade`,
-the gateway values (the pool's InferencePool, and its endpoint picker answering a client that speaks
-ext_proc as Envoy does) and `helm uninstall`.
+operator restarted, Redis restarted, the pool scaled up and down, adapters deleted, `helm upgrade`
+and `helm uninstall`.
 
 The tests run in file order against one release, and only where the environment names such a
 cluster:
@@ -23,13 +22,10 @@ apply to it), else through `kubectl port-forward`, as the README does.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shlex
-import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,30 +38,34 @@ import openai
 import pytest
 import yaml
 from dashboard import check_panel, queries
+from helm_release import (
+    CHART,
+    CRDS,
+    REAL_NODE,
+    Release,
+    e2e_values,
+    keep_logs,
+    port_forward,
+    remove,
+    service_address,
+)
 from kube import GROUP, get_json, kubectl
 from loraplex_bench.closed_loop import ClosedLoop
-from loraplex_bench.gateway_client import Exchange, Gateway
 from prometheus import Prometheus, Target, scrape_jobs
 from tools import require_module, require_tool
 from waiting import wait_for
 
 from loraplex.ports import free_port
 
-pytestmark = [pytest.mark.cluster, pytest.mark.skipif(
-    not (os.environ.get("KUBECONFIG") and os.environ.get("LORAPLEX_E2E_NODE")),
-    reason="needs LORAPLEX_E2E_NODE=1 and KUBECONFIG naming a cluster with a node that runs the images")]
+pytestmark = REAL_NODE  # pytest.mark.cluster, run only with LORAPLEX_E2E_NODE and KUBECONFIG set
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "loraplex"
 QUICKSTART = ROOT / "examples" / "quickstart-cpu"
 POOL = "tiny"
 RUN = uuid.uuid4().hex[:5]
 RELEASE, SYSTEM_NS, USER_NS = "loraplex", f"lpx-{RUN}", f"lpx-qs-{RUN}"
 ROUTER = "loraplex-router"  # the release name holds the chart's, so objects are named loraplex-<part>
 READY_TIMEOUT_S = 900  # image start, model generation, the CPU kernel's first build, on 2 cores
-GIE_CRD = Path(__file__).parent / "fixtures" / "inferencepools.inference.networking.k8s.io.yaml"
-CRDS = ["adapterpools.loraplex.io", "loradeployments.loraplex.io", "clusterkopfpeerings.kopf.dev",
-        "kopfpeerings.kopf.dev"]
 
 
 def _adapters() -> list[str]:
@@ -74,15 +74,6 @@ def _adapters() -> list[str]:
 
 
 ADAPTERS = _adapters()
-
-
-def _values() -> dict[str, Any]:
-    values: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "helm" / "values-cpu.yaml").read_text())
-    extra = os.environ.get("LORAPLEX_E2E_VALUES")
-    if extra:
-        for key, value in yaml.safe_load(Path(extra).read_text()).items():
-            values[key] = {**values.get(key, {}), **value} if isinstance(value, dict) else value
-    return values
 
 
 @pytest.fixture(scope="module")
@@ -103,51 +94,6 @@ def images(report: dict[str, Any]) -> None:
     assert out.returncode == 0, out.stderr[-6000:]
     report["images"] = [dict(zip(("image", "size", "build"), line.split("\t"), strict=True))
                         for line in out.stdout.splitlines() if line.count("\t") == 2]
-
-
-class Release:
-    """The chart installed with Helm's own library, as `helm install` would."""
-
-    def __init__(self) -> None:
-        self.helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
-        self.values = _values()
-        self.installed = False
-        self.installed_gie_crd = False
-
-    def config(self):
-        return self.helm.Config(kubeconfig_path=os.environ["KUBECONFIG"], namespace=SYSTEM_NS)
-
-    def install(self) -> None:
-        _adopt_existing_crds()
-        with self.config() as cfg:
-            assert cfg.install(str(CHART), RELEASE, self.values, namespace=SYSTEM_NS, create_namespace=True,
-                               timeout=300)["status"] == "deployed"
-        self.installed = True
-
-    def upgrade(self, values: dict[str, Any]) -> dict[str, Any]:
-        self.values = {**self.values, **values}
-        with self.config() as cfg:
-            return cfg.upgrade(str(CHART), RELEASE, self.values, namespace=SYSTEM_NS, timeout=300)
-
-    def uninstall(self) -> None:
-        with self.config() as cfg:
-            cfg.uninstall(RELEASE, timeout=300)
-        self.installed = False
-
-
-def _adopt_existing_crds() -> None:
-    """CRDs another install left (they are kept on uninstall; `kubectl apply --server-side -f crds/`
-    made them for test_cluster_e2e.py) join this release, as Helm requires: its labels, and their
-    fields owned by Helm's field manager (helm-python-sdk's Helm applies as the process' name), so that
-    a changed CRD installs and upgrades without a server-side-apply conflict with kubectl."""
-    existing = [crd for crd in CRDS if kubectl("get", "crd", crd, check=False).returncode == 0]
-    if existing:  # first the fields (this drops the labels Helm's manager set before), then the labels
-        kubectl("apply", "--server-side", "--force-conflicts", f"--field-manager={Path(sys.executable).name}",
-                "-f", str(CHART / "files" / "crds"))
-    for crd in existing:
-        kubectl("label", "--overwrite", "crd", crd, "app.kubernetes.io/managed-by=Helm")
-        kubectl("annotate", "--overwrite", "crd", crd, f"meta.helm.sh/release-name={RELEASE}",
-                f"meta.helm.sh/release-namespace={SYSTEM_NS}")
 
 
 @dataclass
@@ -190,26 +136,14 @@ class Traffic(ClosedLoop):
 def _router_url() -> Iterator[str]:
     """The router Service: its ClusterIP where this machine reaches it (it is the node), else a
     `kubectl port-forward` to it."""
-    service = get_json("service", ROUTER, namespace=SYSTEM_NS)
-    try:
-        socket.create_connection((service["spec"]["clusterIP"], 80), timeout=3).close()
-    except OSError:
-        with _port_forward() as url:
-            yield url
-        return
-    yield f"http://{service['spec']['clusterIP']}"
+    with service_address(SYSTEM_NS, ROUTER, 80) as address:
+        yield f"http://{address}"
 
 
 @contextmanager
 def _port_forward() -> Iterator[str]:
-    port = free_port()
-    forward = subprocess.Popen(["kubectl", "-n", SYSTEM_NS, "port-forward", f"svc/{ROUTER}",
-                                f"{port}:80"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        forward.terminate()
-        forward.wait(10)
+    with port_forward(SYSTEM_NS, ROUTER, 80) as address:
+        yield f"http://{address}"
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -239,25 +173,9 @@ def _ready_agents() -> int:
     return (sts.get("status") or {}).get("readyReplicas", 0)
 
 
-def _keep_logs() -> None:
-    """Every Loraplex pod's log (and the previous container's), into LORAPLEX_E2E_LOGS if set."""
-    folder = os.environ.get("LORAPLEX_E2E_LOGS")
-    if not folder:
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    for ns in (SYSTEM_NS, USER_NS):
-        for pod in kubectl("get", "pods", "-o", "name", namespace=ns, check=False).stdout.split():
-            for previous in ("", "--previous"):
-                out = kubectl("logs", pod, "--all-containers", *([previous] if previous else []), namespace=ns,
-                              check=False)
-                if out.stdout:
-                    name = f"{ns}_{pod.removeprefix('pod/')}{previous.replace('--', '_')}.log"
-                    (Path(folder) / name).write_text(out.stdout)
-
-
 @pytest.fixture(scope="module")
 def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
-    chart = Release()
+    chart = Release(RELEASE, SYSTEM_NS, e2e_values())
     started = time.monotonic()
     chart.install()
     report["install_s"] = round(time.monotonic() - started, 1)
@@ -265,19 +183,8 @@ def release(images: None, report: dict[str, Any]) -> Iterator[Release]:
     try:
         yield chart
     finally:
-        _keep_logs()
-        if chart.installed:
-            kubectl("delete", f"loradeployments.{GROUP},adapterpools.{GROUP}", "--all", "--timeout=120s",
-                    namespace=USER_NS, check=False)
-            chart.uninstall()
-        for kind in (f"loradeployments.{GROUP}", f"adapterpools.{GROUP}"):  # no operator left to finalize
-            for name in kubectl("get", kind, "-o", "name", namespace=USER_NS, check=False).stdout.split():
-                kubectl("patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":[]}}', namespace=USER_NS,
-                        check=False)
-        for ns in (USER_NS, SYSTEM_NS):
-            kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        if chart.installed_gie_crd:  # only the copy these tests installed: a user's own stays
-            kubectl("delete", "-f", str(GIE_CRD), "--wait=false", check=False)
+        keep_logs(SYSTEM_NS, USER_NS)
+        remove(chart, USER_NS, USER_NS, SYSTEM_NS)
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +242,7 @@ def _container_port(pod: dict[str, Any], port: int | str) -> int:
 def test_the_dashboard_queries_are_answered_by_a_prometheus_scraping_the_pods(quickstart: str, tmp_path) -> None:
     binary = require_tool("prometheus", "apt-get install prometheus")
     helm = require_module("helm_python", "helm-python-sdk, Helm's library: pip install -e '.[dev]'")
-    values = {**_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
+    values = {**e2e_values(), "metrics": {"serviceMonitor": {"enabled": True, "interval": "1s"}}}
     rendered = helm.Chart.load(str(CHART)).render(values=values, name=RELEASE, namespace=SYSTEM_NS)
     monitors = [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
                 for d in yaml.safe_load_all(text) if d and d["kind"] == "ServiceMonitor"]
@@ -425,7 +332,7 @@ def test_a_deleted_adapter_is_no_longer_served(quickstart: str) -> None:
 
 
 def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, release: Release) -> None:
-    _keep_logs()  # the routers so far: the upgrade replaces them
+    keep_logs(SYSTEM_NS, USER_NS)  # the routers so far: the upgrade replaces them
     upgraded = release.upgrade({"router": {**release.values["router"], "ttfbDeadline": 20}})
     assert upgraded["status"] == "deployed" and upgraded["revision"] == 2
     kubectl("rollout", "status", f"deployment/{ROUTER}", "--timeout=300s", namespace=SYSTEM_NS)
@@ -434,47 +341,8 @@ def test_helm_upgrade_rolls_the_routers_to_a_changed_value(quickstart: str, rele
     wait_for("serving after the upgrade", lambda: all(_serves(quickstart, m) for m in ADAPTERS[:-1]), timeout=120)
 
 
-async def _through_the_picker(target: str, model: str) -> Exchange:
-    gateway = Gateway(target)
-    try:
-        body = json.dumps({"model": model, "prompt": "def f(x):", "max_tokens": 4}).encode()
-        return await gateway.send(body, pieces=16)
-    finally:
-        await gateway.close()
-
-
-def test_the_gateway_values_make_an_inference_pool_whose_picker_routes_to_an_agent_that_serves(
-        quickstart: str, release: Release) -> None:
-    """GIE's InferencePool CRD installed (the tests' copy of its v1 fields), then `helm upgrade` with
-    the gateway values: the operator makes the pool's InferencePool, the routers (the picker) turn
-    Ready, and a client speaking ext_proc as Envoy does to the picker Service gets, for every adapter,
-    an agent that serves the request."""
-    crd = GIE_CRD.stem
-    if kubectl("get", "crd", crd, check=False).returncode != 0:
-        kubectl("apply", "--server-side", "-f", str(GIE_CRD))
-        release.installed_gie_crd = True
-    kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
-    release.upgrade({"gateway": {"inferencePool": {"enabled": True}}})
-    kubectl("rollout", "status", f"deployment/{ROUTER}", "--timeout=300s", namespace=SYSTEM_NS)
-    wait_for("the pool's InferencePool", lambda: get_json(crd, POOL, namespace=USER_NS), timeout=120)
-    spec = get_json(crd, POOL, namespace=USER_NS)["spec"]
-    selector = get_json("statefulset", POOL, namespace=USER_NS)["spec"]["selector"]["matchLabels"]
-    assert spec["selector"]["matchLabels"] == selector and spec["targetPorts"] == [{"number": 8000}]
-    picker = spec["endpointPickerRef"]
-    assert (picker["name"], picker["port"]["number"], picker["failureMode"]) == (f"{POOL}-epp", 9002, "FailClose")
-    service = get_json("service", picker["name"], namespace=SYSTEM_NS)  # the chart's, in the release's namespace
-    target = f"{service['spec']['clusterIP']}:{picker['port']['number']}"
-    agents = {f"{p['status']['podIP']}:8000" for p in get_json("pods", "-l", f"loraplex.io/pool={POOL}",
-                                                                namespace=USER_NS)["items"]}
-    for model in ADAPTERS[:-1]:  # the last one was deleted above
-        exchange = asyncio.run(_through_the_picker(target, model))
-        assert exchange.status == 200 and exchange.served in agents, (model, exchange)
-        assert exchange.destination == exchange.metadata and exchange.destination.split(",")[0] == exchange.served
-        assert json.loads(exchange.body)["usage"]["completion_tokens"] > 0, model
-
-
 def test_helm_uninstall_keeps_the_crds_and_the_users_objects(quickstart: str, release: Release) -> None:
-    _keep_logs()  # the routers' and Redis' logs go with the release
+    keep_logs(SYSTEM_NS, USER_NS)  # the routers' and Redis' logs go with the release
     release.uninstall()
     for crd in CRDS:
         assert "deletionTimestamp" not in get_json("crd", crd)["metadata"], crd

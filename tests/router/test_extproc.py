@@ -65,6 +65,7 @@ async def test_routes_in_order_and_the_chosen_server_serves(picker_env, gateway)
     assert doc["model"] == "a" and doc["usage"]["completion_tokens"] == 3
     assert json.loads(ex.sent_body) == json.loads(completion("a"))  # the body as sent: not rewritten
     assert "content-length" not in ex.request_headers
+    assert ex.request_headers["x-loraplex-adapter"] == "a"  # as the HTTP router sends it: a missing adapter loads
 
 
 async def test_fallbacks_follow_the_pipeline_and_a_refused_primary_is_ejected(picker_env, gateway, free_port, wait):

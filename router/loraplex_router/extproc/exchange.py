@@ -25,7 +25,7 @@ from loraplex_router.app import UNKNOWN_MODEL
 from loraplex_router.extproc import protocol
 from loraplex_router.extproc.decision import Decider, Decision
 from loraplex_router.extproc.metrics import PickerMetrics
-from loraplex_router.proxy import RETRY_STATUSES, Proxy, usage_of
+from loraplex_router.proxy import ADAPTER_HEADER, RETRY_STATUSES, Proxy, usage_of
 from loraplex_router.sse import Usage, UsageTap
 
 log = logging.getLogger("loraplex.router")
@@ -113,7 +113,10 @@ class Exchange:
         self.metrics.running.labels(fwd.model).inc()
         self.metrics.request_size.labels(fwd.model, fwd.model).observe(len(fwd.payload))
         length = len(fwd.payload) if decision.rewritten else None
-        yield protocol.route_to(decision.endpoints, length)
+        # the adapter in the header the HTTP router sets too: an agent that does not hold it yet loads it
+        # before it serves the request, instead of answering 404
+        upstream = {ADAPTER_HEADER: fwd.adapter} if fwd.adapter is not None else None
+        yield protocol.route_to(decision.endpoints, length, upstream)
         if not bodiless:
             yield protocol.request_body(fwd.payload, end_of_stream)
 

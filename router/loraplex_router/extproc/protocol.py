@@ -7,6 +7,7 @@ sends) or `value`, and always written as `raw_value`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption, Metadata
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -69,13 +70,16 @@ def served_endpoint(metadata: Metadata) -> str | None:
     return lb.fields[SERVED].string_value.strip() or None
 
 
-def route_to(endpoints: list[str], content_length: int | None) -> ProcessingResponse:
+def route_to(endpoints: list[str], content_length: int | None,
+             upstream: Mapping[str, str] | None = None) -> ProcessingResponse:
     """The reply to the request headers: the chosen endpoints (primary first) in the header and in the
-    dynamic metadata, the same value in both; the route cache cleared so the gateway routes on it."""
+    dynamic metadata, the same value in both; the route cache cleared so the gateway routes on it.
+    `upstream`: more headers for the request the gateway sends to the endpoint."""
     value = ",".join(endpoints)
     headers = [_header(DESTINATION, value)]
     if content_length is not None:  # the body was rewritten: its length changed
         headers.append(_header("content-length", str(content_length)))
+    headers += [_header(k, v) for k, v in (upstream or {}).items()]
     metadata = Struct()
     metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION] = value
     common = CommonResponse(header_mutation=HeaderMutation(set_headers=headers), clear_route_cache=True)
