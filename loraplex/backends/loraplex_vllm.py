@@ -14,6 +14,9 @@ the pool's ConfigMap. It does two things:
   digest-checked and loaded into vLLM. As with Loraplex's own engine, a request that arrives before
   the prefetch is served instead of answered 404. An adapter the pool does not know, or an agent that
   cannot be reached, is answered 503, so the router tries another server.
+- The agent keeps that adapter pinned until vLLM's answer has ended (POST .../internal/release), as
+  Loraplex's own engine pins it: an adapter evicted in between would be answered 404, or, once vLLM
+  had queued the request, reloaded by vLLM's engine from a folder that is gone, which kills it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import urllib.request
 
 AGENT_URL_ENV = "LORAPLEX_AGENT_URL"
 ENSURE_TIMEOUT_ENV = "LORAPLEX_ENSURE_TIMEOUT_S"
+RELEASE_TIMEOUT_S = 10.0  # a release the agent misses leaves the adapter pinned: loaded, never lost
 ADAPTER_HEADER = b"x-loraplex-adapter"
 RUNTIME_UPDATE_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
@@ -42,9 +46,10 @@ def error_body(status: int, kind: str, message: str, code: str | None = None) ->
                                  "code": code if code is not None else status}}).encode()
 
 
-def ensure_adapter(agent_url: str, name: str, timeout_s: float) -> tuple[int, bytes]:
-    """Ask the agent to hold adapter `name` (blocking; run in a thread). (status, body)."""
-    request = urllib.request.Request(f"{agent_url}/internal/ensure", method="POST",
+def call_agent(agent_url: str, action: str, name: str, timeout_s: float) -> tuple[int, bytes]:
+    """POST /internal/<action> (ensure, release) for adapter `name` to the agent (blocking; run in a
+    thread). (status, body)."""
+    request = urllib.request.Request(f"{agent_url}/internal/{action}", method="POST",
                                      data=json.dumps({"adapter": name}).encode(),
                                      headers={"content-type": "application/json"})
     try:
@@ -76,13 +81,18 @@ class LoraplexMiddleware:
                                                "open to the Loraplex agent on this pod's loopback"))
             return
         adapter = dict(scope.get("headers") or ()).get(ADAPTER_HEADER)
-        if adapter and self.agent_url and scope.get("method") == "POST":
-            status, body = await asyncio.to_thread(ensure_adapter, self.agent_url,
-                                                   adapter.decode("utf-8", "replace"), self.timeout_s)
-            if status != 200:
-                await _reply(send, status, body)
-                return
-        await self.app(scope, receive, send)
+        if not (adapter and self.agent_url and scope.get("method") == "POST"):
+            await self.app(scope, receive, send)
+            return
+        name = adapter.decode("utf-8", "replace")
+        status, body = await asyncio.to_thread(call_agent, self.agent_url, "ensure", name, self.timeout_s)
+        if status != 200:
+            await _reply(send, status, body)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            await asyncio.to_thread(call_agent, self.agent_url, "release", name, RELEASE_TIMEOUT_S)
 
 
 async def _reply(send, status: int, body: bytes) -> None:

@@ -21,6 +21,7 @@ from addresses import outward_address
 from loraplex_agent.vllm_backend.engine import parse_metrics, read_adapter_info
 from loraplex_agent.vllm_backend.process import child_env, install_plugin
 
+from loraplex.backends import loraplex_vllm
 from loraplex.backends.loraplex_vllm import LoraplexMiddleware
 from loraplex.backends.vllm import MIDDLEWARE, VllmLaunch, vllm_argv
 from loraplex.spec.errors import AdapterError
@@ -191,3 +192,32 @@ def test_the_guard_judges_the_client_address():
              "client": ("10.0.0.7", 5000)}
     asyncio.run(middleware(scope, None, send))
     assert sent[0]["status"] == 403
+
+
+@pytest.mark.parametrize("ensured", [200, 503])
+def test_a_tagged_request_holds_its_adapter_until_its_answer_ends(monkeypatch, ensured):
+    """The agent pins the adapter at /internal/ensure; the middleware releases it once vLLM has
+    answered (and only then: vLLM reloads an evicted LoRA from its folder while the request is in it)."""
+    calls: list[tuple[str, str]] = []
+
+    def agent(url: str, action: str, name: str, timeout_s: float) -> tuple[int, bytes]:
+        calls.append((action, name))
+        return (ensured if action == "ensure" else 200), b"{}"
+
+    async def vllm(scope, receive, send) -> None:
+        calls.append(("vllm", scope["path"]))
+        await echo_app(scope, receive, send)
+
+    monkeypatch.setattr(loraplex_vllm, "call_agent", agent)
+    monkeypatch.setenv("LORAPLEX_AGENT_URL", "http://127.0.0.1:1")
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"x-loraplex-adapter", b"a")],
+             "client": ("127.0.0.1", 5000)}
+    asyncio.run(LoraplexMiddleware(vllm)(scope, None, send))
+    assert sent[0]["status"] == ensured
+    assert calls == ([("ensure", "a"), ("vllm", "/v1/completions"), ("release", "a")] if ensured == 200
+                     else [("ensure", "a")])  # a refused ensure pinned nothing

@@ -3,11 +3,13 @@ record, prefetch of assigned adapters, eviction of unassigned ones, and never de
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
 import time
 
+import httpx
 import pytest
 from loraplex_agent.cli import DEFAULT_STALL_TIMEOUT_S
 from loraplex_agent.cluster.fetcher import AdapterFetcher
@@ -17,6 +19,7 @@ from loraplex_agent.cluster.settings import ClusterSettings
 from loraplex_agent.cluster.sources import SourcePolicy
 from loraplex_agent.runtime.async_engine import AsyncEngine
 from loraplex_agent.runtime.llm import LLM
+from loraplex_agent.vllm_backend.server import Sidecar, build_app
 from waiting import wait_until
 
 from loraplex.routing.memory_store import InMemoryRoutingStore
@@ -95,6 +98,59 @@ async def test_an_adapter_with_a_request_in_flight_is_not_evicted(member):
         assert a in member.engine.adapters and ME in member.store.get_adapter(a).locations
     await member.reconcile()
     assert a not in member.engine.adapters  # unpinned: evicted on the next pass
+
+
+async def test_a_request_that_comes_while_its_adapter_is_unloaded_loads_it_again(member):
+    """Not a 503: the request may have no other server to go to (the last one left in its pool)."""
+    a, _, c = member.names
+    publish(member.store, 1, {a: ME, c: OTHER})
+    await member.reconcile()
+    member.store.add_location(a, OTHER)
+    publish(member.store, 2, {a: OTHER, c: OTHER})
+    await member.reconcile()  # unassigned once
+    gate, remove = asyncio.Event(), member.engine.remove_adapter
+
+    async def slow_remove(name: str):
+        await gate.wait()
+        return await remove(name)
+
+    member.engine.remove_adapter = slow_remove
+    evicting = asyncio.create_task(member.reconcile())
+    try:
+        while a not in member._unloading:
+            await asyncio.sleep(0.01)
+        with member.pinned(a):  # what the request holds from before the load
+            request = asyncio.create_task(member.ensure(a))
+            await asyncio.sleep(0.1)
+            assert not request.done()  # it waits for the unload
+            gate.set()
+            await asyncio.gather(evicting, request)
+    finally:
+        gate.set()
+        member.engine.remove_adapter = remove
+    assert a in member.engine.adapters and member.fetcher.path_of(member.store.get_adapter(a)).is_dir()
+    assert ME in member.store.get_adapter(a).locations
+
+
+async def test_the_vllm_middleware_pins_its_adapter_from_ensure_to_release(member):
+    """/internal/ensure (the vLLM middleware's call before vLLM sees a request) pins the adapter until
+    /internal/release: vLLM reloads an evicted LoRA from its folder, and dies if the folder is gone."""
+    a, _, c = member.names
+    app = build_app(Sidecar(member.engine, member, member.store, None), None)  # no lifespan: the routes only
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agent") as agent:
+        for _ in range(2):  # two requests in flight
+            assert (await agent.post("/internal/ensure", json={"adapter": a})).status_code == 200
+        refused = await agent.post("/internal/ensure", json={"adapter": "not-registered"})
+        assert refused.status_code == 503 and not member._pins["not-registered"]
+        member.store.add_location(a, OTHER)
+        publish(member.store, 1, {c: OTHER})
+        for _ in range(2):  # the two requests end, one after the other
+            await member.reconcile()
+            await member.reconcile()  # two passes unassigned: evicted unless pinned
+            assert a in member.engine.adapters  # a request is still in vLLM
+            assert (await agent.post("/internal/release", json={"adapter": a})).status_code == 200
+    await member.reconcile()
+    assert a not in member.engine.adapters
 
 
 async def test_a_request_for_an_unassigned_adapter_loads_it_lazily(member):

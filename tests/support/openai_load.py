@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import openai
@@ -35,8 +36,9 @@ def stream_chat(c: openai.OpenAI, model: str, started: list[bool] | None = None,
 
 class OpenAILoad(ClosedLoop):
     """Clients sending requests through the router until the block ends: a streamed chat and a plain
-    completion in turn, over `adapters` (`complete` and `stream_chat` send them). Answers are counted; failures are recorded as (adapter, whether
-    the stream had begun, error): a stream that had begun is committed to its server."""
+    completion in turn, over `adapters` (`complete` and `stream_chat` send them). Answers are counted, in
+    all and by adapter; failures are recorded as (adapter, whether the stream had begun, error): a stream
+    that had begun is committed to its server. `state()` says what it waits for (a failure's message)."""
 
     def __init__(self, stack, adapters: list[str], clients: int = 4,
                  complete: Callable[[openai.OpenAI, str], object] = complete,
@@ -47,13 +49,17 @@ class OpenAILoad(ClosedLoop):
         self.complete = complete
         self.stream_chat = stream_chat
         self.ok = 0
+        self.served: Counter[str] = Counter()  # answers by adapter
         self.failures: list[tuple[str, bool, str]] = []
+        self.open: dict[int, tuple[str, float]] = {}  # request number -> (adapter, when it was sent)
 
     def session(self) -> openai.OpenAI:
         return client(self.stack)
 
     def send(self, c: openai.OpenAI, i: int) -> None:
         adapter, started = self.adapters[i % len(self.adapters)], [False]
+        with self.lock:
+            self.open[i] = (adapter, self.now())
         try:
             if i % 2 == 0:
                 self.stream_chat(c, adapter, started)
@@ -61,6 +67,17 @@ class OpenAILoad(ClosedLoop):
                 self.complete(c, adapter)
             with self.lock:
                 self.ok += 1
+                self.served[adapter] += 1
         except openai.OpenAIError as exc:
             with self.lock:
                 self.failures.append((adapter, started[0], repr(exc)))
+        finally:
+            with self.lock:
+                del self.open[i]
+
+    def state(self) -> str:
+        """What the load has done and what it waits for, for a failure's message."""
+        with self.lock:
+            waiting = ", ".join(f"{adapter} for {self.now() - sent:.0f} s" for adapter, sent in self.open.values())
+            return (f"{self.ok} answered; open: {waiting or 'none'}; {len(self.failures)} failed, the last: "
+                    f"{self.failures[-3:]}")

@@ -9,12 +9,14 @@ from typing import Any
 import pytest
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float = 60.0, interval_s: float = 0.1) -> float:
-    """Seconds it took; fails if `condition()` is not true within the (generous) bound."""
+def wait_until(condition: Callable[[], object], timeout_s: float = 60.0, interval_s: float = 0.1,
+               explain: Callable[[], str] | None = None) -> float:
+    """Seconds it took; fails if `condition()` is not true within the (generous) bound, saying
+    `explain()` when given (what the system was doing meanwhile)."""
     start = time.monotonic()
     while not condition():
         if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"condition not met within {timeout_s} s")
+            raise AssertionError(f"condition not met within {timeout_s} s" + (f": {explain()}" if explain else ""))
         time.sleep(interval_s)
     return time.monotonic() - start
 

@@ -58,7 +58,7 @@ class ClusterMember:
         self._refused: dict[str, tuple[str, str]] = {}  # name -> (digest, why) the engine refused to load
         self._loading: dict[str, asyncio.Task] = {}
         self._pins: Counter[str] = Counter()  # requests in flight per adapter: never evicted under them
-        self._unloading: set[str] = set()
+        self._unloading: dict[str, asyncio.Event] = {}  # set when the unload is done
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
         self._subscription: Subscription | None = None
@@ -207,13 +207,14 @@ class ClusterMember:
 
     async def _unload(self, name: str) -> None:
         record = self._managed.pop(name)
-        self._unloading.add(name)
+        done = self._unloading[name] = asyncio.Event()
         try:
             with contextlib.suppress(NotFoundError):  # already gone
                 await self.engine.remove_adapter(name)
+            self.fetcher.remove(record)
         finally:
-            self._unloading.discard(name)
-        self.fetcher.remove(record)
+            del self._unloading[name]
+            done.set()  # requests that came meanwhile load it again
         log.info("dropped adapter %s from host memory", name)
 
     # ---- lazy load --------------------------------------------------------------------------
@@ -221,20 +222,30 @@ class ClusterMember:
     @contextlib.contextmanager
     def pinned(self, name: str) -> Iterator[None]:
         """Keep adapter `name` from being evicted while a request for it is in flight here."""
-        self._pins[name] += 1
+        self.pin(name)
         try:
             yield
         finally:
+            self.unpin(name)
+
+    def pin(self, name: str) -> None:
+        """One more request for adapter `name` in flight here (from before its load until its answer
+        ends): no pass evicts the adapter under it. `unpin` ends it."""
+        self._pins[name] += 1
+
+    def unpin(self, name: str) -> None:
+        """One request that `pin` counted has ended (a name not pinned is left alone)."""
+        if self._pins[name] <= 1:
+            self._pins.pop(name, None)
+        else:
             self._pins[name] -= 1
-            if not self._pins[name]:
-                del self._pins[name]
 
     async def ensure(self, name: str) -> None:
-        """Make sure the pool's adapter `name` is loaded here (503 if the registry does not know it,
-        or if it is being unloaded here right now: the router then tries a server that holds it)."""
-        if name in self._unloading:
-            raise OverloadedError(f"adapter {name!r} is being unloaded from this server",
-                                  code="adapter_unloading")
+        """Make sure the pool's adapter `name` is loaded here (503 if the registry does not know it).
+        An adapter being unloaded here right now is loaded again once that is done: the request may
+        have no other server to go to (the last one left in its pool)."""
+        while (unloading := self._unloading.get(name)) is not None:
+            await unloading.wait()
         if name in self.engine.adapters and name not in self._loading:
             return
         task = self._loading.get(name)

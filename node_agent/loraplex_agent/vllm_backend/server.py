@@ -10,8 +10,9 @@ the agent:
 - prefetches the adapters assigned to it through the distributed adapter pool (peer first, then the
   source, digest-checked) into its adapter store, loads and unloads them through vLLM's runtime
   endpoints on the loopback, and serves them to peers (GET /v1/adapters/{name}/files);
-- answers the vLLM middleware's `POST /internal/ensure` (loopback only) for a request whose adapter is
-  not loaded yet.
+- answers the vLLM middleware's `POST /internal/ensure` (loopback only) before vLLM sees a request: the
+  adapter is loaded if it is not yet, and pinned (never evicted) until `POST /internal/release` at
+  the end of the answer.
 
 A child that exits takes the agent down with it (exit status 1, one line); an external server that
 stops answering takes the server out of the registry until it answers again, and the agent then loads
@@ -124,7 +125,7 @@ def _default_python() -> str:
 # ---- the app ----------------------------------------------------------------------------------
 
 
-class EnsureRequest(BaseModel):
+class AdapterRequest(BaseModel):
     adapter: str
 
 
@@ -187,12 +188,19 @@ def _add_routes(app: FastAPI, sidecar: Sidecar) -> None:
                              "adapters": sorted(engine.adapters)})
 
     @app.post("/internal/ensure")
-    async def ensure(body: EnsureRequest, raw: Request) -> Response:
-        """The vLLM middleware's call: hold this adapter before vLLM sees the request (loopback only)."""
+    async def ensure(body: AdapterRequest, raw: Request) -> Response:
+        """The vLLM middleware's call before vLLM sees a request: hold this adapter, pinned until the
+        middleware's /internal/release at the end of the answer (loopback only). vLLM loads a LoRA
+        from its folder whenever it is not in its cache, so neither the adapter nor its folder may go
+        while a request for it is in vLLM: without its folder, vLLM's engine dies."""
         try:
-            if not raw.client or raw.client.host not in LOOPBACK:
-                raise PermissionDeniedError("/internal/ensure is only open to the vLLM server on this pod's loopback")
-            await member.ensure(body.adapter)
+            _check_loopback(raw, "/internal/ensure")
+            member.pin(body.adapter)
+            try:
+                await member.ensure(body.adapter)
+            except BaseException:
+                member.unpin(body.adapter)
+                raise
         except LoraplexError as exc:
             return JSONResponse(exc.to_openai(), status_code=exc.status)
         except StoreUnavailableError as exc:
@@ -200,9 +208,24 @@ def _add_routes(app: FastAPI, sidecar: Sidecar) -> None:
             return JSONResponse(error.to_openai(), status_code=error.status)
         return JSONResponse({"adapter": body.adapter, "loaded": True})
 
+    @app.post("/internal/release")
+    async def release(body: AdapterRequest, raw: Request) -> Response:
+        """The vLLM middleware's call when vLLM's answer has ended: the pin of /internal/ensure goes."""
+        try:
+            _check_loopback(raw, "/internal/release")
+        except LoraplexError as exc:
+            return JSONResponse(exc.to_openai(), status_code=exc.status)
+        member.unpin(body.adapter)
+        return JSONResponse({"adapter": body.adapter, "released": True})
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(_render_metrics(sidecar), media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_loopback(request: Request, path: str) -> None:
+    if not request.client or request.client.host not in LOOPBACK:
+        raise PermissionDeniedError(f"{path} is only open to the vLLM server on this pod's loopback")
 
 
 def _render_metrics(sidecar: Sidecar) -> bytes:
