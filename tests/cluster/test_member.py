@@ -86,12 +86,19 @@ async def test_drops_unassigned_adapters_but_never_the_last_copy(member):
     assert member.store.get_adapter(b).locations == {ME}  # the last copy stays
 
 
-async def test_an_adapter_with_a_request_in_flight_is_not_evicted(member):
+async def moved_away(member) -> str:
+    """Adapter a, loaded here, then assigned to `other`, which holds a copy too: evicted here on the
+    second pass from now, unless a request pins it."""
     a, _, c = member.names
     publish(member.store, 1, {a: ME, c: OTHER})
     await member.reconcile()
     member.store.add_location(a, OTHER)
     publish(member.store, 2, {a: OTHER, c: OTHER})
+    return a
+
+
+async def test_an_adapter_with_a_request_in_flight_is_not_evicted(member):
+    a = await moved_away(member)
     with member.pinned(a):  # what the agent's middleware holds from before the load to the response's end
         for _ in range(3):
             await member.reconcile()
@@ -102,11 +109,7 @@ async def test_an_adapter_with_a_request_in_flight_is_not_evicted(member):
 
 async def test_a_request_that_comes_while_its_adapter_is_unloaded_loads_it_again(member):
     """Not a 503: the request may have no other server to go to (the last one left in its pool)."""
-    a, _, c = member.names
-    publish(member.store, 1, {a: ME, c: OTHER})
-    await member.reconcile()
-    member.store.add_location(a, OTHER)
-    publish(member.store, 2, {a: OTHER, c: OTHER})
+    a = await moved_away(member)
     await member.reconcile()  # unassigned once
     gate, remove = asyncio.Event(), member.engine.remove_adapter
 
@@ -135,15 +138,13 @@ async def test_a_request_that_comes_while_its_adapter_is_unloaded_loads_it_again
 async def test_the_vllm_middleware_pins_its_adapter_from_ensure_to_release(member):
     """/internal/ensure (the vLLM middleware's call before vLLM sees a request) pins the adapter until
     /internal/release: vLLM reloads an evicted LoRA from its folder, and dies if the folder is gone."""
-    a, _, c = member.names
+    a = await moved_away(member)
     app = build_app(Sidecar(member.engine, member, member.store, None), None)  # no lifespan: the routes only
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agent") as agent:
         for _ in range(2):  # two requests in flight
             assert (await agent.post("/internal/ensure", json={"adapter": a})).status_code == 200
         refused = await agent.post("/internal/ensure", json={"adapter": "not-registered"})
         assert refused.status_code == 503 and not member._pins["not-registered"]
-        member.store.add_location(a, OTHER)
-        publish(member.store, 1, {c: OTHER})
         for _ in range(2):  # the two requests end, one after the other
             await member.reconcile()
             await member.reconcile()  # two passes unassigned: evicted unless pinned
