@@ -9,7 +9,7 @@ the last checker's answer; the next turn then re-sends the conversation. The che
 aloraNN-r8 (activated LoRAs: the base model's KV of the conversation is theirs too) or loraNN-r8
 (the same weights as standard LoRAs: each recomputes the conversation under its own adapter).
 
-Engine side: a `loraplex up` stack (redis-server, --agents agents on a fresh tiny model with six
+Engine side: a `loraplex up` stack (redis-server, --agents agents on a fresh tiny model in float32 with six
 adapters of each kind, the prefix-aware router, every adapter on every agent), the workload driven
 through the router with the `openai` client over streamed chat completions. The system prompt and
 messages are whole words of the vocabulary and the answers are kept to whole words
@@ -23,8 +23,10 @@ Both sides run the engines with `--long-prefill-token-threshold` (the pool's
 `engine.longPrefillTokenThreshold`), the same for both arms.
 
 Twin side: the same workload on token ids through --agents real `EngineCore`s on one virtual
-timeline (`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), each session on one
-server as prefix-aware routing keeps it; the engine's own prefix cache keys an activated LoRA's
+timeline (`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), every request routed
+by the router's own `prefix-aware` profile (the same --routing-option knobs) over a prefix index of
+the prompts' token blocks and its in-flight counts, so a fan-out that overloads its conversation's
+server spills as it does on the stack; the engine's own prefix cache keys an activated LoRA's
 conversation as the base model's, as on the agents. EMULATION of the local stack's host: the engines'
 steps stretch by the cores they share (`loraplex.sim.shared_host`, `--twin-host-cores`, a background
 load), and every request reaches its engine one serving path (client, router, HTTP, chat template)
@@ -40,11 +42,13 @@ import asyncio
 import heapq
 import json
 import os
+import random
 import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -258,98 +262,129 @@ def twin_engine_config(profile, args: argparse.Namespace):  # noqa: ANN001, ANN2
 
 def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int], serving_s: float,
              background: float) -> Run:
-    """The agents' engines on one virtual timeline, each session on one of them (prefix-aware routing
-    keeps a conversation where its KV is), their steps stretched by the cores they share (EMULATION:
-    `loraplex.sim.shared_host`), every request reaching its engine `serving_s` after it is sent."""
-    from loraplex.sim.server import make_sim_engine
+    """The agents' engines on one virtual timeline behind the router's `prefix-aware` profile (its
+    prefix index over the prompts' token blocks, its in-flight counts), their steps stretched by the
+    cores they share (EMULATION: `loraplex.sim.shared_host`), every request reaching its engine
+    `serving_s` after it is sent."""
     from loraplex.sim.shared_host import SharedHost
 
     out = Run()
-    host = SharedHost(args.twin_host_cores, background)
-    servers = []
-    for server in range(args.agents):
-        core, clock = make_sim_engine(profile, twin_engine_config(profile, args))
-        core.executor.host = host
-        ids = {}
-        for name in checker_names(mode, k):
-            ids[name] = AdapterId(name, "sha256:" + name)
-            core.add_adapter(AdapterInfo(ids[name], 8, 8 * profile.memory.adapter_bytes_per_rank,
-                                         invocation_tokens=tuple(invocation) if mode == "alora" else ()))
-        sessions = [s for s in range(args.sessions) if s % args.agents == server]
-        servers.append(_TwinServer(core, clock, args, ids, invocation, out, serving_s, sessions))
-    while True:
-        ready = [(t, i) for i, s in enumerate(servers) if (t := s.next_event()) is not None]
-        if not ready:
-            break
-        servers[min(ready)[1]].advance()
-    out.elapsed_s = max(s.clock.now() for s in servers)
+    twin = _Twin(args, profile, mode, k, invocation, serving_s, SharedHost(args.twin_host_cores, background), out)
+    twin.run()
+    out.elapsed_s = max(s.clock.now() for s in twin.servers)
     return out
 
 
+@dataclass
 class _TwinServer:
-    """Plays its sessions' pipelines on one simulated engine, event by event on its clock."""
+    id: str
+    core: Any  # an EngineCore on the twin's executor
+    clock: Any  # its ManualClock
+    due: list[tuple[float, int, Request]] = field(default_factory=list)  # (arrival at the engine, order, request)
+    in_flight: int = 0  # requests the router sent here that have not finished (the router's own count)
 
-    def __init__(self, core, clock, args: argparse.Namespace, ids: dict[str, AdapterId], invocation: list[int],
-                 out: Run, serving_s: float, sessions: list[int]) -> None:
-        self.core, self.clock, self.args, self.ids, self.out = core, clock, args, ids, out
-        self.invocation, self.serving_s = invocation, serving_s
+
+class _Twin:
+    """Plays every session's pipelines: the client's sends, the router's picks, the engines' steps,
+    one event at a time in time order (a send or an arrival once every busy engine's clock has passed
+    it, else the step of the busy engine furthest behind)."""
+
+    def __init__(self, args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int],
+                 serving_s: float, host, out: Run) -> None:
+        from loraplex.routing.pipeline import make_profile, prefix_config
+        from loraplex.routing.prefix import PrefixConfig, PrefixIndex
+        from loraplex.routing.rank_aware import parse_options
+        from loraplex.sim.server import make_sim_engine
+
+        self.args, self.out, self.invocation, self.serving_s = args, out, invocation, serving_s
+        self.alora = mode == "alora"
+        self.ids = {name: AdapterId(name, "sha256:" + name) for name in checker_names(mode, k)}
+        self.servers = []
+        for server in range(args.agents):
+            core, clock = make_sim_engine(profile, twin_engine_config(profile, args))
+            core.executor.host = host
+            for adapter in self.ids.values():
+                core.add_adapter(AdapterInfo(adapter, 8, 8 * profile.memory.adapter_bytes_per_rank,
+                                             invocation_tokens=tuple(invocation) if self.alora else ()))
+            self.servers.append(_TwinServer(f"twin-{server}", core, clock))
+        options = PrefixConfig.from_options(parse_options(args.routing_option))
+        self.router = make_profile("prefix-aware", random.Random(args.seed), prefix=options)
+        self.index = PrefixIndex(prefix_config(self.router))
+        self.block = twin_engine_config(profile, args).block_size
+        self.conversation = {s: _ids(("system", s), args.system_tokens) for s in range(args.sessions)}
+        self.turn = dict.fromkeys(range(args.sessions), 0)
         self.waiting: dict[int, set[str]] = {}  # session -> its requests in flight
-        self.conversation: dict[int, list[int]] = {}
-        self.turn: dict[int, int] = {}
-        self.requests: dict[str, tuple[int, str, Request]] = {}
-        self.due: list[tuple[float, int, str]] = []  # (arrival at the engine, order, request id)
-        self.asked: list[tuple[float, int]] = [(0.0, s) for s in sessions]  # (sent, session): a base question
-        heapq.heapify(self.asked)
-        for s in sessions:
-            self.conversation[s], self.turn[s] = _ids(("system", s), self.args.system_tokens), 0
+        self.requests: dict[str, tuple[int, str, Request, _TwinServer]] = {}
+        self.sends: list[tuple[float, int, int]] = [(0.0, s, 0) for s in range(args.sessions)]  # base questions
 
-    def next_event(self) -> float | None:
-        """When this server next does something: its next step, or the next request it is sent."""
-        times = [self.clock.now()] if self.core.has_unfinished() else []
-        times += [self.asked[0][0] + self.serving_s] if self.asked else []
-        times += [self.due[0][0]] if self.due else []
-        return min(times) if times else None
+    def run(self) -> None:
+        while True:
+            busy = [s for s in self.servers if s.core.has_unfinished()]
+            step_at = min((s.clock.now() for s in busy), default=float("inf"))
+            send_at = self.sends[0][0] if self.sends else float("inf")
+            due = min((s for s in self.servers if s.due), key=lambda s: s.due[0][0], default=None)
+            due_at = due.due[0][0] if due is not None else float("inf")
+            if min(send_at, due_at, step_at) == float("inf"):
+                return
+            if send_at <= min(due_at, step_at):
+                sent, session, _ = heapq.heappop(self.sends)
+                self._ask_base(session, sent)
+            elif due_at <= step_at:
+                arrival, _, request = heapq.heappop(due.due)
+                if not due.core.has_unfinished():  # idle: its clock jumps to the arrival
+                    due.clock.advance(max(0.0, arrival - due.clock.now()))
+                due.core.add_request(request)
+            else:
+                self._step(min(busy, key=lambda s: s.clock.now()))
 
-    def advance(self) -> None:
-        """The next event: an idle engine's clock jumps to its next arrival; arrivals join; one step."""
-        if not self.core.has_unfinished():
-            arrival = min(t for t in (self.asked[0][0] + self.serving_s if self.asked else None,
-                                      self.due[0][0] if self.due else None) if t is not None)
-            self.clock.advance(max(0.0, arrival - self.clock.now()))
-        while self.asked and self.asked[0][0] + self.serving_s <= self.clock.now():
-            sent, session = heapq.heappop(self.asked)
-            self._ask_base(session, sent + self.serving_s)
-        while self.due and self.due[0][0] <= self.clock.now():
-            self.core.add_request(self.requests[heapq.heappop(self.due)[2]][2])
-        if not self.core.has_unfinished():
-            return
-        for output in self.core.step():
-            if output.finished and self._finish(output.request_id):
-                session = self.requests[output.request_id][0]
-                if self.turn[session] < self.args.turns:
-                    heapq.heappush(self.asked, (self.clock.now(), session))
+    def _step(self, server: _TwinServer) -> None:
+        for output in server.core.step():
+            if output.finished:
+                self._finish(output.request_id, server.clock.now())
+
+    def _route(self, adapter: str | None, prompt: list[int], sent: float) -> _TwinServer:
+        """The router's pick: prefix-aware over its index of the prompt's blocks (an activated LoRA's:
+        the base model's blocks before the invocation), queue depth its in-flight count or the
+        engine's own, whichever is larger, as the router's snapshot takes it."""
+        from loraplex.routing.pipeline import Candidate, Residency, RouteRequest
+        from loraplex.routing.prefix import adapter_seed, alora_token_keys, token_keys
+
+        if adapter is not None and self.alora:
+            keys = alora_token_keys(self.invocation, prompt, self.block)
+        else:
+            keys = token_keys(adapter_seed(adapter, self.ids[adapter].digest if adapter else ""), prompt, self.block)
+        matches = self.index.matches((s.id for s in self.servers), keys, sent)
+        candidates = [Candidate(s.id, phi=1.0 / len(self.servers), residency=Residency.GPU,
+                                queue_depth=max(s.in_flight, s.core.scheduler.num_running + s.core.scheduler.num_waiting),
+                                prefix_blocks=matches.get(s.id, 0)) for s in self.servers]
+        route = RouteRequest(adapter, 8 if adapter else None, len(prompt), len(keys),
+                             alora=adapter is not None and self.alora)
+        picked = self.router.pick(route, candidates).server_id
+        chosen = next(s for s in self.servers if s.id == picked)
+        self.index.record(chosen.id, keys, sent)
+        return chosen
 
     def _submit(self, session: int, kind: str, prompt: list[int], adapter: str | None, tokens: int,
-                arrival: float) -> None:
+                sent: float) -> None:
         request_id = f"s{session}-t{self.turn[session]}-{kind}-{len(self.waiting.get(session, ()))}"
         sampling = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-        request = Request(request_id, prompt, sampling, adapter=self.ids.get(adapter) if adapter else None,
-                          arrival_time=arrival)
-        self.requests[request_id] = (session, kind, request)
+        server = self._route(adapter, prompt, sent)
+        request = Request(request_id, prompt, sampling, adapter=self.ids[adapter] if adapter else None,
+                          arrival_time=sent + self.serving_s)
+        self.requests[request_id] = (session, kind, request, server)
         self.waiting.setdefault(session, set()).add(request_id)
-        if arrival <= self.clock.now():
-            self.core.add_request(request)
-        else:
-            heapq.heappush(self.due, (arrival, len(self.requests), request_id))
+        server.in_flight += 1
+        heapq.heappush(server.due, (request.arrival_time, len(self.requests), request))
 
-    def _ask_base(self, session: int, arrival: float) -> None:
+    def _ask_base(self, session: int, sent: float) -> None:
         self.conversation[session] += _ids((session, self.turn[session]), self.args.user_tokens)
-        self._submit(session, "base", list(self.conversation[session]), None, self.args.answer_tokens, arrival)
+        self._submit(session, "base", list(self.conversation[session]), None, self.args.answer_tokens, sent)
 
-    def _finish(self, request_id: str) -> bool:
-        """Records a finished request (its TTFT as the client sees it: the serving path included); True
-        when its session's pipeline is over."""
-        session, kind, request = self.requests[request_id]
+    def _finish(self, request_id: str, now: float) -> None:
+        """Records a finished request (its TTFT as the client sees it: the serving path included);
+        the base answer's checkers go out, the last checker's end starts the next turn."""
+        session, kind, request, server = self.requests[request_id]
+        server.in_flight -= 1
         self.out.requests.append((kind, request.first_token_time - request.arrival_time + self.serving_s,
                                   request.num_prompt_tokens, request.num_cached_tokens))
         self.waiting[session].discard(request_id)
@@ -357,14 +392,14 @@ class _TwinServer:
             self.conversation[session] += request.output_token_ids
             for i, name in enumerate(self.ids):
                 check = self.conversation[session] + self.invocation + _ids(("check", session, i), 8)
-                self._submit(session, "checker", check, name, self.args.check_tokens,
-                             self.clock.now() + self.serving_s)
-            return False
+                self._submit(session, "checker", check, name, self.args.check_tokens, now)
+            return
         if self.waiting[session]:
-            return False
+            return
         self.out.pipelines += 1
         self.turn[session] += 1
-        return True
+        if self.turn[session] < self.args.turns:
+            heapq.heappush(self.sends, (now, session, self.turn[session]))
 
 
 def _ids(key: tuple, count: int) -> list[int]:
@@ -409,7 +444,9 @@ def write_manifests(folder: Path, model: Path, adapters: list[str], agents: int,
     """The pool on the tiny model and a LoRADeployment per adapter, on every agent."""
     folder.mkdir(parents=True)
     pool = {"apiVersion": "loraplex.io/v1alpha1", "kind": "AdapterPool", "metadata": {"name": POOL},
-            "spec": {"baseModel": {"name": "base", "source": f"file://{model.resolve()}"},
+            # float32 on the CPU, as the twin's cpu-tiny profile was measured (the pool's default, bfloat16, is
+            # for GPUs)
+            "spec": {"baseModel": {"name": "base", "source": f"file://{model.resolve()}", "dtype": "float32"},
                      "engine": {"longPrefillTokenThreshold": threshold},
                      "placement": {"intervalSeconds": 600}}}
     (folder / "pool.yaml").write_text(json.dumps(pool))

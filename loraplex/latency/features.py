@@ -2,8 +2,8 @@
 
 The terms follow the digital-twin paper's Eq. 1, Lat_model = (K4*B + K5) * (K6*A_B + K7), expanded
 into its four products, plus the rank terms of Toppings' Eq. 2 (sum of ranks over the batch, and
-BGMV's batch x max rank), a prefill-token term with its rank-weighted twin, the attention context
-and the adapter loads of the step.
+BGMV's batch x max rank), a prefill-token term with its rank-weighted twin, the attention context (a prompt chunk's over the
+KV cached before it too) and the adapter loads of the step.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ FEATURES = (
     "padded_context",  # decode rows x the longest decode context (a padded decode-attention kernel)
     "loads",  # adapters copied into device slots before the step
     "load_rank_sum",  # their ranks: load time follows adapter size
+    "prefill_context",  # sum over prompt chunks of tokens * start position: their attention over cached KV
 )
 
 
@@ -41,11 +42,13 @@ class StepFeatures:
     max_decode_context: int = 0
     loads: int = 0
     load_rank_sum: int = 0
+    prefill_context: int = 0
 
     def vector(self) -> list[float]:
         return [1.0, self.batch, self.adapters, self.batch * self.adapters, self.rank_sum,
                 self.batch * self.max_rank, self.prefill_tokens, self.prefill_rank_tokens,
-                self.context_tokens, self.decodes * self.max_decode_context, self.loads, self.load_rank_sum]
+                self.context_tokens, self.decodes * self.max_decode_context, self.loads, self.load_rank_sum,
+                self.prefill_context]
 
 
 class SlotRanks:
@@ -80,6 +83,7 @@ class SlotRanks:
             if n > 1 or chunk.num_output_tokens == 0:
                 f.prefill_tokens += n
                 f.prefill_rank_tokens += n * rank
+                f.prefill_context += n * chunk.start_position
             else:
                 f.decodes += 1
                 if chunk.start_position > f.max_decode_context:

@@ -50,7 +50,9 @@ if TYPE_CHECKING:
 DECODE_TERMS = ("intercept", "batch", "adapters", "batch_x_adapters", "rank_sum", "batch_x_max_rank",
                 "context_tokens", "padded_context")
 PREFILL_TERMS = ("prefill_tokens", "prefill_rank_tokens")
-IGNORED_TERMS = ("loads", "load_rank_sum")  # adapter copies: not a routing cost here (module docstring)
+# adapter copies: not a routing cost here (module docstring); a prompt chunk's attention over the KV
+# cached before it: the router's prefill estimate (PrePerf) knows no server's cache
+IGNORED_TERMS = ("loads", "load_rank_sum", "prefill_context")
 
 
 @dataclass(frozen=True)

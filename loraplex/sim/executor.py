@@ -118,10 +118,11 @@ class SimExecutor:
         horizon = min(until, span.until) - now
         if first > 0.0 and self._growing and horizon < steps * first:  # later steps last no less: build fewer
             steps = max(1, int(horizon / first) + 2)
-        batch, adapters, rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx, loads, load_rank = terms
+        batch, adapters, rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx, loads, load_rank, prefill_ctx = terms
         j = np.arange(steps)
         seconds = np.maximum(0.0, self._seconds(batch, adapters, rank_sum, max_rank, prefill, prefill_rank,
-                                                context + batch * j, decodes, max_ctx + j, loads, load_rank))
+                                                context + batch * j, decodes, max_ctx + j, loads, load_rank,
+                                                prefill_ctx))
         clock = np.cumsum(np.concatenate(([now], seconds)))  # sequential sums, as the clock adds them
         limit = int(np.searchsorted(clock[:-1], until, side="left" if strict else "right"))
         taken = max(1, min(limit, int(np.searchsorted(clock[:-1], span.until, side="left"))))
@@ -174,7 +175,7 @@ class SimExecutor:
     def _terms(self, output: SchedulerOutput, sampled: dict[str, SampledToken]) -> tuple[int, ...]:
         """The step's features in `_seconds`' argument order; fills `sampled`."""
         rank_of = self.slots.rank_of
-        rank_sum = max_rank = prefill = prefill_rank = context = decodes = max_ctx = 0
+        rank_sum = max_rank = prefill = prefill_rank = context = decodes = max_ctx = prefill_ctx = 0
         slots = set()
         for chunk in output.chunks:
             if chunk.sample:
@@ -192,6 +193,7 @@ class SimExecutor:
             if n > 1 or chunk.num_output_tokens == 0:
                 prefill += n
                 prefill_rank += n * rank
+                prefill_ctx += n * start
             else:
                 decodes += 1
                 if start > max_ctx:
@@ -200,15 +202,15 @@ class SimExecutor:
         for load in output.adapter_loads:
             load_rank_sum += load.rank
         return (len(output.chunks), len(slots), rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx,
-                len(output.adapter_loads), load_rank_sum)
+                len(output.adapter_loads), load_rank_sum, prefill_ctx)
 
     def _seconds(self, batch, adapters, rank_sum, max_rank, prefill, prefill_rank, context, decodes, max_ctx,
-                 loads, load_rank_sum):  # noqa: ANN001, ANN202 - ints, or numpy arrays for context and max_ctx
+                 loads, load_rank_sum, prefill_ctx):  # noqa: ANN001, ANN202 - ints, or numpy arrays for context and max_ctx
         """The profile's step formula; `context` and `max_ctx` may be arrays (a span's steps)."""
         (w_intercept, w_batch, w_adapters, w_batch_x_adapters, w_rank_sum, w_batch_x_max_rank, w_prefill,
-         w_prefill_rank, w_context, w_padded_context, w_loads, w_load_rank_sum) = self._w
+         w_prefill_rank, w_context, w_padded_context, w_loads, w_load_rank_sum, w_prefill_context) = self._w
         return (w_intercept + batch * (w_batch + w_batch_x_adapters * adapters + w_batch_x_max_rank * max_rank)
                 + w_adapters * adapters + w_rank_sum * rank_sum + w_prefill * prefill
                 + w_prefill_rank * prefill_rank + w_context * context
                 + w_padded_context * decodes * max_ctx + w_loads * loads
-                + w_load_rank_sum * load_rank_sum)
+                + w_load_rank_sum * load_rank_sum + w_prefill_context * prefill_ctx)

@@ -24,6 +24,20 @@ def test_twin_side_reports_alora_checkers_reusing_the_conversation(tmp_path, cap
     assert alora["checker_ttft_s"] < lora["checker_ttft_s"]
 
 
+def test_the_twin_routes_a_fan_out_as_the_router_does(tmp_path) -> None:
+    """The twin's requests go through the router's prefix-aware profile: with no load slack, checkers
+    that find their conversation's server busy go elsewhere and find less of it cached."""
+    def cached_share(*options: str) -> float:
+        out = tmp_path / f"{len(options)}.json"
+        assert main(["bench", "alora", "--side", "twin", "--ks", "6", "--sessions", "2", "--turns", "2",
+                     "--system-tokens", "200", "--agents", "2", "--json", str(out), *options]) == 0
+        [alora] = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "alora"]
+        return alora["checker_cached"] / alora["checker_prompt"]
+
+    strict = [f"--routing-option={o}" for o in ("load_slack=0", "alora_slack=0", "load_factor=1")]
+    assert cached_share(*strict) < cached_share()
+
+
 @pytest.mark.parametrize(("flags", "message"), [(["--ks", "7"], "--ks takes 1 to 6"),
                                                  (["--ks", "x"], "comma-separated integers"),
                                                  (["--sessions", "0"], "must be >= 1")])

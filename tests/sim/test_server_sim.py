@@ -54,7 +54,9 @@ def test_the_executor_applies_every_term_of_the_profile():
     decode = ScheduledChunk("b", [1], 40, [3, 4, 5], 1, False, SamplingParams(), num_output_tokens=3)
     output = SchedulerOutput([chunk, decode], [AdapterLoad(0, AdapterId("x", "d"), 16), AdapterLoad(1, AdapterId("y", "d"), 8)])
     result = executor.execute(output)
-    expected = profile.step_seconds(executor.slots.features(output))
+    features = executor.slots.features(output)
+    assert features.prefill_context == 30 * 5  # the prompt chunk's rows over the 5 positions before it
+    expected = profile.step_seconds(features)
     assert result.elapsed_s == pytest.approx(expected) and clock.now() == pytest.approx(expected)
     assert set(result.sampled) == {"a"}
 

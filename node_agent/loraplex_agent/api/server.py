@@ -98,7 +98,9 @@ def build_app(engine: AsyncEngine, config: AgentConfig) -> FastAPI:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext, api_key: str | None, admin_key: str | None) -> None:
-    def authenticate(request: Request) -> None:  # a dependency: checked before the body is validated
+    # a dependency, checked before the body is validated; async: FastAPI runs a plain function on a
+    # worker thread, a thread hop on every request for a header comparison
+    async def authenticate(request: Request) -> None:
         if api_key is not None:  # the admin key is the more trusted one: it serves too
             _authenticate(request, api_key, admin_key)
 

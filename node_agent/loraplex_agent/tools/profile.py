@@ -2,7 +2,8 @@
 
 Every engine step is timed whole (schedule + execute + update, the time the twin must
 reproduce) and described by the features of `loraplex.latency.features`. The grid has closed batches
-(batch sizes x prompt lengths x adapter counts and ranks) and open-loop Poisson replays in which
+(batch sizes x prompt lengths x adapter counts and ranks), short prompt chunks over a long cached
+prefix (context lengths x chunk lengths x batch sizes) and open-loop Poisson replays in which
 more adapters than device slots force adapter loads. `--check PROFILE` instead replays the same
 trace on the real engine and on the twin at three loads and prints the errors (docs/simulator.md).
 
@@ -169,6 +170,20 @@ def closed_batch(llm: LLM, core: TimedCore, batch: int, prompt_len: int, output_
         core.core.add_adapter(core.core.remove_adapter(name))
 
 
+def cached_context(llm: LLM, core: TimedCore, context_len: int, chunk_len: int, batch: int,
+                   rng: random.Random) -> None:
+    """`batch` prompts that share a `context_len`-token prefix, sent once it is cached: each step
+    prefills `chunk_len` tokens attending over the cached KV (a follow-up turn, an aLoRA checker)."""
+    vocab = llm.model_config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(context_len)]
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    for prompts in ([prefix], [prefix + [rng.randrange(3, vocab) for _ in range(chunk_len)] for _ in range(batch)]):
+        for prompt in prompts:
+            core.add_request(Request(f"grid-{rng.random()}", prompt, sampling))
+        while core.has_unfinished():
+            core.step()
+
+
 def run_grid(llm: LLM, core: TimedCore, quick: bool, seed: int) -> None:
     rng = random.Random(seed)
     names = sorted(llm.adapters)
@@ -180,6 +195,11 @@ def run_grid(llm: LLM, core: TimedCore, quick: bool, seed: int) -> None:
             for adapters in adapter_sets:
                 if batch <= llm.engine_config.max_num_seqs:
                     closed_batch(llm, core, batch, prompt_len, 16 if quick else 32, adapters, rng)
+    longest = llm.engine_config.max_model_len - 64
+    for context_len in (512,) if quick else (256, 768, 1536):
+        for chunk_len in (16, 64):
+            for batch in (1, 4):
+                cached_context(llm, core, min(context_len, longest), chunk_len, batch, rng)
 
 
 def run_open_loop(llm: LLM, core: TimedCore, quick: bool, seed: int, max_model_len: int,
