@@ -10,7 +10,10 @@ engine's own time and a slow minute of the machine falls on the steps of every e
 
 What the clock leaves out: the wall time between steps (the other engines' steps, waits for the
 turn) and everything around the engine (HTTP, the serving loop). Background work of an engine
-(its copy thread) keeps running while another engine steps.
+(its copy thread) keeps running while another engine steps. A slow-down shorter than a step (the
+operating system giving the CPU to a neighbour for half a second) lands on one engine's step only;
+a clock of the process's CPU time per step (`time.process_time`) leaves such stalls out, and with
+them any sleep inside a step (a wait for a copy).
 """
 
 from __future__ import annotations
@@ -30,19 +33,22 @@ T = TypeVar("T")
 
 
 class StepClock(ManualClock):
-    """A virtual clock moved by measured wall time: `start` marks the start of a step, each `lap`
-    adds the wall time since the last mark."""
+    """A virtual clock moved by measured time: `start` marks the start of a step, each `lap` adds the
+    time `timer` measured since the last mark: wall time (`time.perf_counter`), or the CPU time of the
+    process (`time.process_time`), which a neighbour that takes the CPU away in the middle of a step
+    does not add to."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
         super().__init__()
-        self._mark = time.perf_counter()
+        self.timer = timer
+        self._mark = timer()
 
     def start(self) -> None:
-        self._mark = time.perf_counter()
+        self._mark = self.timer()
 
     def lap(self) -> None:
-        now = time.perf_counter()
-        self.advance(now - self._mark)
+        now = self.timer()
+        self.advance(max(0.0, now - self._mark))
         self._mark = now
 
 

@@ -108,7 +108,9 @@ FAIRNESS_MIN_REQUESTS = 2  # adapters with fewer finished requests say nothing a
 KNEE_MIN_LOAD, KNEE_MAX_LOAD, KNEE_TOL = 0.05, 4.0, 0.03  # bisection range and tolerance, x saturation
 CLOCKS = {  # the engine side's --engine-clock
     "steps": "step-interleaved: the schedulers' engines in one process, stepped in turn, each on its own clock "
-             "of measured step times (no HTTP or serving path); FIFO's capacity measured in each round",
+             "of measured step times (wall; no HTTP or serving path); FIFO's capacity measured in each round",
+    "cpu-steps": "step-interleaved as steps, each step timed by the process's CPU time (stalls and sleeps inside "
+                 "a step left out; best with --threads 1)",
     "wall": "wall time: one engine after the other, sleeping between arrivals; FIFO's capacity measured once"}
 
 

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from loraplex_agent.runtime.llm import LLM
 
 FIRST_TOKEN_ID = 3  # ids below are the tiny model's special tokens
+STEP_TIMERS = {"steps": time.perf_counter, "cpu-steps": time.process_time}  # --engine-clock: what times a step
 
 
 def run_engine(args: argparse.Namespace) -> list[Block]:
@@ -105,7 +106,7 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
 def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[str, Any]) -> Block:
     block = Block("engine", policy, settings, baseline_policy=policy_of(side.args, policy, BASELINE))
     side.calibrate(block, trace)
-    run_round = side.interleaved_round(block, trace) if side.args.engine_clock == "steps" else None
+    run_round = side.interleaved_round(block, trace) if side.args.engine_clock in STEP_TIMERS else None
     sweep(block, side.run_at(trace, policy), schedulers_of(side.args), parse_list(side.args.loads, "--loads", float),
           search=False, repeats=side.args.engine_repeats, run_round=run_round)
     return block
@@ -194,7 +195,7 @@ class EngineSide:
         if self.args.engine_saturation_rps:
             block.saturation_rps, block.saturation_method = self.args.engine_saturation_rps, "given"
             return
-        if self.args.engine_clock == "steps":
+        if self.args.engine_clock in STEP_TIMERS:
             return  # each round measures its own (`interleaved_round`)
         stage(f"engine ({block.memory_policy}): FIFO's saturation rate (a burst of the trace) ...")
         burst = Trace([replace(r, arrival_s=0.0) for r in trace.requests], dict(trace.workload))
@@ -242,7 +243,7 @@ class EngineSide:
 
     def interleaved(self, engines: list[tuple[str, str]], trace: Trace) -> list[Observed]:
         """`trace` through a fresh engine per (scheduler, memory policy), in one process, step by step."""
-        clocks = [StepClock() for _ in engines]
+        clocks = [StepClock(STEP_TIMERS[self.args.engine_clock]) for _ in engines]
         baton = Baton(clocks)
         threads = torch.get_num_threads()
         with ExitStack() as stack:
