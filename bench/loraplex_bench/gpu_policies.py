@@ -24,6 +24,7 @@ import torch
 from loraplex_agent.runtime.device import adapter_bytes_per_rank, kv_block_bytes
 
 from loraplex.sim.sessions import PromptTokens, make_sessions, run_sessions, summarize_sessions
+from loraplex.util.clock import Clock
 from loraplex_bench import memory_compare, scheduler_compare
 from loraplex_bench.cpu_assist import probe_adapters
 from loraplex_bench.gpu import RANKS, Bench
@@ -131,7 +132,8 @@ def schedulers(run: GpuRun, out: dict[str, Any], pool: int, engine: dict[str, An
                             engine_requests=s.sched_requests, engine_length_scale=s.length_scale,
                             engine_unloaded_requests=s.sched_unloaded, engine_max_num_seqs=s.max_num_seqs,
                             engine_max_batched_tokens=s.max_batched_tokens, schedulers=",".join(SCHEDULERS),
-                            loads=str(s.sched_load), max_loras=s.max_loras, device=str(run.device))
+                            loads=str(s.sched_load), max_loras=s.max_loras, device=str(run.device),
+                            engine_clock="wall")  # one engine at a time: the device holds one
     trace = scheduler_compare.unit_workload(scheduler_compare.PAPER_WORKLOAD,
                                             scheduler_compare.trace_spec(args, "engine", s.max_model_len))
     block = scheduler_compare.Block("engine", "unified", {"num_pages": pool, **engine, "requests": len(trace.requests),
@@ -162,7 +164,9 @@ class BenchSide(EngineSide):
         self.ranks = ranks
         self.current: Bench | None = None
 
-    def llm(self, scheduler: str, policy: str) -> tuple[Any, dict]:
+    def llm(self, scheduler: str, policy: str, clock: Clock | None = None) -> tuple[Any, dict]:
+        if clock is not None:
+            raise ValueError("the run's engines keep the wall clock (--engine-clock wall)")
         self.close()
         bench = self.run.bench(self.num_blocks, True, scheduler=scheduler,
                                scheduler_options=self.options.get(scheduler, {}), memory_policy=policy, **self.settings)

@@ -55,6 +55,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, cast
 
@@ -104,6 +106,12 @@ PAPER = {"p99_ttft_change": -0.807, "slo_throughput_ratio": 1.5}  # Chameleon vs
 TWIN_STOP_ID = 1  # the twin samples token 0 every step, so any other id is a stop token it never makes
 FAIRNESS_MIN_REQUESTS = 2  # adapters with fewer finished requests say nothing about their latency
 KNEE_MIN_LOAD, KNEE_MAX_LOAD, KNEE_TOL = 0.05, 4.0, 0.03  # bisection range and tolerance, x saturation
+CLOCKS = {  # the engine side's --engine-clock
+    "steps": "step-interleaved: the schedulers' engines in one process, stepped in turn, each on its own clock "
+             "of measured step times (wall; no HTTP or serving path); FIFO's capacity measured in each round",
+    "cpu-steps": "step-interleaved as steps, each step timed by the process's CPU time (stalls and sleeps inside "
+                 "a step left out; best with --threads 1)",
+    "wall": "wall time: one engine after the other, sleeping between arrivals; FIFO's capacity measured once"}
 
 
 @dataclass(frozen=True)
@@ -204,9 +212,11 @@ class Observed:
     steps: int  # engine steps of the run
     adapter_loads: int  # adapter copies to the device
     execute_s: float  # wall seconds in the executor (the rest of a step is the scheduler's and the driver's)
+    rps: float  # the rate its trace arrived at
 
 
 RunAt = Callable[[str, float], Observed]  # (scheduler, rps) -> its run
+RunRound = Callable[[list[str], float, str], dict[str, Observed]]  # (schedulers in the round's order, load, tag)
 
 
 # ---- the workload -----------------------------------------------------------------------------
@@ -393,7 +403,7 @@ def observe(core: EngineCore, log: ReplayLog, trace: Trace) -> Observed:
     executor = core.executor
     return Observed(log.requests, results, trace_duration(trace), log.end - log.origin, offered_tokens(trace),
                     core.scheduler_stats(), engine.steps_total, engine.adapter_loads_total,
-                    executor.seconds if isinstance(executor, StopAtLength) else 0.0)
+                    executor.seconds if isinstance(executor, StopAtLength) else 0.0, float(trace.workload["rps"]))
 
 
 def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> RunResult:
@@ -485,16 +495,19 @@ def run_digest(requests: list[Request]) -> str:
 # ---- the sweep, shared by both sides ----------------------------------------------------------------
 
 def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float], search: bool,
-          repeats: int = 1) -> None:
+          repeats: int = 1, run_round: RunRound | None = None) -> None:
     """Every scheduler at every load (`repeats` rounds in ABBA order, each reported and then pooled),
-    the ratios to FIFO, and each one's throughput at the SLO."""
+    the ratios to FIFO, and each one's throughput at the SLO. A round runs the schedulers one after
+    the other with `run_at`, or all at once with `run_round`."""
+    run_round = run_round or _one_at_a_time(block, run_at)
     for load in loads:
         observed: dict[str, list[Observed]] = defaultdict(list)
-        for round_, name in abba(schedulers, repeats):
+        for round_, pairs in groupby(abba(schedulers, repeats), key=itemgetter(0)):
             tag = f", round {round_ + 1} of {repeats}" if repeats > 1 else ""
-            observed[name].append(_at_load(block, run_at, name, load, tag))
-            if repeats > 1:
-                block.rounds.append(_result(block, [observed[name][-1]], name, load, round_))
+            for name, run in run_round([name for _, name in pairs], load, tag).items():
+                observed[name].append(run)
+                if repeats > 1:
+                    block.rounds.append(_result(block, [run], name, load, round_))
         block.runs += [_result(block, observed[name], name, load) for name in schedulers]
     add_ratios(block.runs)
     for round_ in range(repeats if repeats > 1 else 0):
@@ -510,13 +523,20 @@ def sweep(block: Block, run_at: RunAt, schedulers: list[str], loads: list[float]
         k.vs_fifo = k.rps / base.rps if uncapped and base.rps else None
 
 
+def _one_at_a_time(block: Block, run_at: RunAt) -> RunRound:
+    def run_round(order: list[str], load: float, tag: str) -> dict[str, Observed]:
+        return {name: _at_load(block, run_at, name, load, tag) for name in order}
+
+    return run_round
+
+
 def _at_load(block: Block, run_at: RunAt, scheduler: str, load: float, tag: str = "") -> Observed:
     stage(f"{block.side} ({block.memory_policy}): {scheduler} at {load:.3g} x saturation{tag} ...")
     return run_at(scheduler, load * block.saturation_rps)
 
 
 def _result(block: Block, runs: list[Observed], scheduler: str, load: float, round_: int | None = None) -> RunResult:
-    result = measure(runs, scheduler, load * block.saturation_rps, block.slo_ttft_s)
+    result = measure(runs, scheduler, float(np.mean([run.rps for run in runs])), block.slo_ttft_s)
     result.load, result.round = load, round_
     return result
 
@@ -631,6 +651,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     e.add_argument("--engine-requests", type=int, default=150)
     e.add_argument("--engine-length-scale", type=float, default=0.25, help="multiply token counts")
     e.add_argument("--engine-unloaded-requests", type=int, default=20)
+    e.add_argument("--engine-clock", choices=list(CLOCKS), default="steps",
+                   help="; ".join(f"{k}: {v}" for k, v in CLOCKS.items()))
     e.add_argument("--engine-repeats", type=int, default=1,
                    help="rounds of every scheduler at each load, in ABBA order: each round is reported, then pooled")
     e.add_argument("--engine-saturation-rps", type=float, default=None,
@@ -873,15 +895,15 @@ def print_rounds(block: Block) -> None:
     workload = block.settings.get("workload", PAPER_WORKLOAD)
     print(f"\n== {block.side}, {workload}, memory_policy={block.memory_policy}: each round (ABBA order) against "
           "FIFO's of the same round")
-    print(f"{'round':>5}{'load':>6} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+    print(f"{'round':>5}{'load':>6}{'req/s':>7} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'loads':>6}{'ahead':>6}"
           "  idle steps/seats/tokens")
     for r in sorted(block.rounds, key=lambda r: (r.load, r.round, r.scheduler != BASELINE)):
-        print(f"{r.round + 1:>5}{r.load:>6.2f} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
+        print(f"{r.round + 1:>5}{r.load:>6.2f}{r.rps:>7.3g} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
               f"{_num(r.throughput_vs_fifo, '.3f'):>8}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
               f"{_num(r.p99_ttft_vs_fifo, '.2f'):>8}{_ms(r.small_ttft_p99_s):>10}{_num(r.small_p99_vs_fifo, '.2f'):>8}"
               f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.adapter_loads:>6}{r.ahead:>6}  {_idle(r)}")
-    print("(times in ms; step ms: the run's time over its steps, exec ms: of which in the executor; loads: adapter "
+    print("(req/s: the rate of the round's arrivals, load x the saturation rate it used; times in ms; step ms: the run's time over its steps, exec ms: of which in the executor; loads: adapter "
           "copies; ahead: requests started before an earlier arrival, 0 when the order was FIFO's; pooled over the "
           "rounds: the block's table above)")
 

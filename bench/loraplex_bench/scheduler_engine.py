@@ -19,32 +19,40 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import tempfile
 import time
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from loraplex_agent.adapters.host import HostAdapter
 from loraplex_agent.runtime.model.config import ModelConfig
 
+from loraplex.engine.core import EngineCore
 from loraplex.sim.gc_pause import cyclic_gc_paused
-from loraplex.sim.replay import WaitUntil
+from loraplex.sim.replay import WaitUntil, replay
 from loraplex.sim.trace import Trace, TraceRequest
 from loraplex.spec.adapter import AdapterId
 from loraplex.spec.errors import CommandError
+from loraplex.util.clock import Clock
 from loraplex_bench import memory_engine
+from loraplex_bench.interleave import Baton, Lane, Lapped, StepClock, interleave
 from loraplex_bench.output import stage
 from loraplex_bench.scheduler_compare import (
     BASELINE,
+    CLOCKS,
     Block,
+    ClientCore,
     Observed,
     RunAt,
+    RunRound,
     at_rate,
     drive,
     observe,
@@ -63,6 +71,7 @@ if TYPE_CHECKING:
     from loraplex_agent.runtime.llm import LLM
 
 FIRST_TOKEN_ID = 3  # ids below are the tiny model's special tokens
+STEP_TIMERS = {"steps": time.perf_counter, "cpu-steps": time.process_time}  # --engine-clock: what times a step
 
 
 def run_engine(args: argparse.Namespace) -> list[Block]:
@@ -97,8 +106,9 @@ def run_engine(args: argparse.Namespace) -> list[Block]:
 def _policy_block(side: EngineSide, trace: Trace, policy: str, settings: dict[str, Any]) -> Block:
     block = Block("engine", policy, settings, baseline_policy=policy_of(side.args, policy, BASELINE))
     side.calibrate(block, trace)
-    sweep(block, side.run_at(trace, policy), schedulers_of(side.args),
-          parse_list(side.args.loads, "--loads", float), search=False, repeats=side.args.engine_repeats)
+    run_round = side.interleaved_round(block, trace) if side.args.engine_clock in STEP_TIMERS else None
+    sweep(block, side.run_at(trace, policy), schedulers_of(side.args), parse_list(side.args.loads, "--loads", float),
+          search=False, repeats=side.args.engine_repeats, run_round=run_round)
     return block
 
 
@@ -115,8 +125,9 @@ def _settings(args: argparse.Namespace, trace: Trace, num_blocks: int, gbps: flo
               calibration: dict[str, float]) -> dict[str, Any]:
     link = "real (CUDA)" if gbps is None else f"EMULATED {gbps:.3g} GB/s"
     print(f"engine: tiny Llama fp32 on {args.device}; Azure lengths x {args.engine_length_scale} (scaled DOWN); "
-          f"{len(trace.requests)} requests; {num_blocks} pages; host->device {link}", flush=True)
-    return {"model": "tiny Llama (hidden 256, 4 layers, fp32)", "device": args.device,
+          f"{len(trace.requests)} requests; {num_blocks} pages; host->device {link}; clock: {CLOCKS[args.engine_clock]}",
+          flush=True)
+    return {"model": "tiny Llama (hidden 256, 4 layers, fp32)", "device": args.device, "clock": args.engine_clock,
             "requests": len(trace.requests), "length_scale": args.engine_length_scale, "num_pages": num_blocks,
             "max_num_seqs": args.engine_max_num_seqs, "max_batched_tokens": args.engine_max_batched_tokens,
             "max_tokens": args.max_tokens, "emulated_h2d_gbps": gbps, "calibration": calibration,
@@ -138,20 +149,21 @@ class EngineSide:
         self.hosts: dict[str, HostAdapter] = {}
 
     @contextmanager
-    def engine(self, scheduler: str, policy: str) -> Iterator[tuple[LLM, dict[str, AdapterId]]]:
-        """A fresh engine for one run, closed after it; the garbage of earlier runs is collected before
-        it starts and Python's cyclic collector is paused inside, as in the twin. Otherwise an earlier
-        run's engine (its page pool, thousands of pages and requests in reference cycles) is traced and
-        freed by whichever later run the collector happens to interrupt."""
+    def engine(self, scheduler: str, policy: str, clock: Clock | None = None) -> Iterator[tuple[LLM, dict[str, AdapterId]]]:
+        """A fresh engine for one run (on `clock`, default the monotonic one), closed after it; the
+        garbage of earlier runs is collected before it starts and Python's cyclic collector is paused
+        inside, as in the twin. Otherwise an earlier run's engine (its page pool, thousands of pages and
+        requests in reference cycles) is traced and freed by whichever later run the collector happens
+        to interrupt."""
         gc.collect()
-        llm, ids = self.llm(scheduler, policy)
+        llm, ids = self.llm(scheduler, policy, clock)
         try:
             with cyclic_gc_paused():
                 yield llm, ids
         finally:
             llm.executor.close()
 
-    def llm(self, scheduler: str, policy: str) -> tuple[LLM, dict[str, AdapterId]]:
+    def llm(self, scheduler: str, policy: str, clock: Clock | None = None) -> tuple[LLM, dict[str, AdapterId]]:
         from loraplex_agent.runtime.llm import LLM
 
         args = self.args
@@ -160,7 +172,8 @@ class EngineSide:
                       max_num_seqs=args.engine_max_num_seqs, max_num_batched_tokens=args.engine_max_batched_tokens,
                       max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, scheduler=scheduler,
                       scheduler_options=self.options.get(scheduler, {}), memory_policy=policy,
-                      num_host_blocks=args.host_blocks, emulate_h2d_gbps=self.gbps, threads=args.threads)
+                      num_host_blocks=args.host_blocks, emulate_h2d_gbps=self.gbps, threads=args.threads,
+                      clock=clock)
         except ValueError as exc:
             raise CommandError(f"engine, {policy}, {scheduler}: {exc}") from None
         for name, path in self.adapters.items():
@@ -175,13 +188,15 @@ class EngineSide:
         return rng.integers(FIRST_TOKEN_ID, self.vocab_size, request.prompt_len).tolist()
 
     def calibrate(self, block: Block, trace: Trace) -> None:
-        """The SLO (from FIFO unloaded) and, unless given, FIFO's saturation rate."""
+        """The SLO (from FIFO unloaded) and, unless given or measured in each round, FIFO's saturation rate."""
         baseline = policy_of(self.args, block.memory_policy, BASELINE)
         with self.engine(BASELINE, baseline) as (llm, ids):
             set_slo(block, llm.core, trace.requests[:self.args.engine_unloaded_requests], ids, self.prompt, self.args)
         if self.args.engine_saturation_rps:
             block.saturation_rps, block.saturation_method = self.args.engine_saturation_rps, "given"
             return
+        if self.args.engine_clock in STEP_TIMERS:
+            return  # each round measures its own (`interleaved_round`)
         stage(f"engine ({block.memory_policy}): FIFO's saturation rate (a burst of the trace) ...")
         burst = Trace([replace(r, arrival_s=0.0) for r in trace.requests], dict(trace.workload))
         with self.engine(BASELINE, baseline) as (llm, ids):
@@ -199,6 +214,53 @@ class EngineSide:
                 return observe(llm.core, log, scaled)
 
         return run_one
+
+    def interleaved_round(self, block: Block, trace: Trace) -> RunRound:
+        """A round on step clocks (`loraplex_bench.interleave`): FIFO's saturation rate measured in the
+        round (unless given), then every scheduler's engine at the load, stepped in turn, the first in
+        the round's order first. The block's rate is the mean of the rounds' so far."""
+        rates: list[float] = []
+        baseline = policy_of(self.args, block.memory_policy, BASELINE)
+
+        def run_round(order: list[str], load: float, tag: str) -> dict[str, Observed]:
+            rps = self.args.engine_saturation_rps
+            if not rps:
+                stage(f"engine ({block.memory_policy}): FIFO's saturation rate on the step clock{tag} ...")
+                burst = Trace([replace(r, arrival_s=0.0) for r in trace.requests], dict(trace.workload, rps=math.inf))
+                [run] = self.interleaved([(BASELINE, baseline)], burst)
+                rates.append(len(run.requests) / run.elapsed_s)
+                rps = rates[-1]
+                block.saturation_rps = float(np.mean(rates))
+                block.saturation_method = ("requests/s of FIFO serving the whole trace at once on the step clock, "
+                                           "measured in each round (mean)")
+            stage(f"engine ({block.memory_policy}): {', '.join(order)} interleaved at {load:.3g} x saturation "
+                  f"({load * rps:.3g} req/s){tag} ...")
+            runs = self.interleaved([(name, policy_of(self.args, block.memory_policy, name)) for name in order],
+                                    at_rate(trace, load * rps))
+            return dict(zip(order, runs, strict=True))
+
+        return run_round
+
+    def interleaved(self, engines: list[tuple[str, str]], trace: Trace) -> list[Observed]:
+        """`trace` through a fresh engine per (scheduler, memory policy), in one process, step by step."""
+        clocks = [StepClock(STEP_TIMERS[self.args.engine_clock]) for _ in engines]
+        baton = Baton(clocks)
+        threads = torch.get_num_threads()
+        with ExitStack() as stack:
+            opened = [stack.enter_context(self.engine(name, policy, clock))
+                      for (name, policy), clock in zip(engines, clocks, strict=True)]
+
+            def run(i: int) -> Observed:
+                torch.set_num_threads(threads)  # a thread's own setting: the caller's does not carry over
+                llm, ids = opened[i]
+                core = llm.core
+                core.executor = Lapped(core.executor, clocks[i])
+                client = ClientCore(core, self.args.max_tokens, self.vocab_size)
+                log = replay(cast(EngineCore, Lane(client, baton, i, clocks[i])), trace, ids, self.prompt,
+                             partial(baton.jump, i))
+                return observe(core, log, trace)
+
+            return interleave(baton, [partial(run, i) for i in range(len(engines))])
 
     @staticmethod
     def _sleep_until(llm: LLM) -> WaitUntil:

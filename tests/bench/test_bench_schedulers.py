@@ -153,22 +153,28 @@ def test_started_ahead_counts_requests_that_passed_an_earlier_arrival() -> None:
     assert started_ahead(passed) == 3
 
 
-def test_engine_side_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("clock", ["steps", "cpu-steps", "wall"])
+def test_engine_side_smoke(clock: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("torch", reason="the real-engine side needs torch")
     out = tmp_path / "engine.json"
     assert main(["bench", "schedulers", "--side", "engine", "--adapters", "3", "--engine-requests", "8",
                  "--engine-unloaded-requests", "2", "--engine-length-scale", "0.03", "--lengths", "uniform",
-                 "--loads", "1", "--schedulers", "fifo,chameleon", "--engine-repeats", "2", "--json", str(out)]) == 0
+                 "--loads", "1", "--schedulers", "fifo,chameleon", "--engine-repeats", "2", "--engine-clock", clock,
+                 "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "scaled DOWN" in printed and "each round (ABBA order)" in printed and "idle steps/seats/tokens" in printed
+    assert ("step-interleaved" in printed) == (clock != "wall")
     [engine] = json.loads(out.read_text())["blocks"]
     assert engine["side"] == "engine" and engine["settings"]["emulated_h2d_gbps"] > 0
+    assert engine["settings"]["clock"] == clock
     assert {r["scheduler"] for r in engine["runs"]} == {"fifo", "chameleon"}
     assert all(r["rounds"] == 2 and r["round"] is None for r in engine["runs"])  # each row pools both rounds
     rounds = engine["rounds"]
     assert sorted((r["round"], r["scheduler"]) for r in rounds) == [(0, "chameleon"), (0, "fifo"),
                                                                    (1, "chameleon"), (1, "fifo")]
     assert all(r["throughput_vs_fifo"] == 1.0 for r in rounds if r["scheduler"] == "fifo")
+    # the two schedulers of a round share its rate (on the step clock, FIFO's capacity measured in that round)
+    assert all(len({r["rps"] for r in rounds if r["round"] == k}) == 1 for k in (0, 1))
     # work-conserving but for FIFO's own stop: an aged request refused KV pages keeps the pages that free
     assert all(r["idle"]["steps"] == r["idle"]["reasons"].get("aged", 0) for r in rounds if r["scheduler"] == "chameleon")
     for pooled in engine["runs"]:

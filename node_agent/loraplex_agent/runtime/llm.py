@@ -24,6 +24,7 @@ from loraplex.engine.request import Request
 from loraplex.engine.scheduling.schedulers import parse_scheduler_options
 from loraplex.spec.adapter import AdapterId, AdapterInfo
 from loraplex.spec.errors import InvalidRequestError, NotFoundError
+from loraplex.util.clock import Clock
 from loraplex_agent.adapters.host import HostAdapter
 from loraplex_agent.adapters.peft import load_peft_adapter
 from loraplex_agent.adapters.registry import AdapterRecord, AdapterRegistry
@@ -71,7 +72,9 @@ class LLM:
                  cuda_graphs: bool | None = None,
                  pinned_adapter_gib: float = DEFAULT_PINNED_ADAPTER_GIB,
                  served_model_name: str | None = None,
-                 seed: int | None = None, threads: int | None = None) -> None:
+                 seed: int | None = None, threads: int | None = None, clock: Clock | None = None) -> None:
+        """`clock`: what the engine reads the time from (default the monotonic clock; a benchmark may
+        run it on a virtual one)."""
         from transformers import AutoTokenizer
 
         self.model_dir = Path(model)
@@ -99,7 +102,7 @@ class LLM:
                                       self.adapters.host, model_dir=self.model_dir, seed=seed,
                                       emulate_h2d_gbps=emulate_h2d_gbps, cpu_assist_workers=cpu_assist_workers,
                                       cuda_graphs=cuda_graphs, pinned_adapter_gib=pinned_adapter_gib)
-        self.core = EngineCore(self.engine_config, self.executor, adapter_pages=self._adapter_pages,
+        self.core = EngineCore(self.engine_config, self.executor, clock=clock, adapter_pages=self._adapter_pages,
                                adapters=self.adapters)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = _eos_ids(self.model_config.eos_token_ids, self.tokenizer.eos_token_id)
