@@ -96,6 +96,30 @@ def test_a_span_leaves_the_engine_as_its_steps_would():
     assert slow.num_steps == fast.num_steps
 
 
+def test_with_nothing_waiting_a_span_runs_through_the_step_that_finishes_a_request():
+    profile = load_profile("cpu-tiny")
+    spec = WorkloadSpec(duration_s=1, rps=3, seed=1, lengths=CPU_LENGTHS, adapters=Adapters(count=2, ranks=[8]))
+    trace = generate(spec)
+    engines = [make_sim_engine(profile) for _ in range(2)]
+    for core, _ in engines:
+        ids = register_adapters(core, trace.adapters())
+        for r in trace.requests:
+            core.add_request(make_request(r, 0.0, ids[r.adapter], sim_prompt))
+    (slow, slow_clock), (fast, fast_clock) = engines
+    while (span := fast.scheduler.decode_span(DUMMY_TOKEN.token_id)) is None:
+        fast.step()
+        slow.step()
+    assert fast.scheduler.num_waiting == 0
+    first = min(r.sampling.max_tokens - len(r.output_token_ids) for r in fast.scheduler.running)
+    assert span.steps == first  # the finishing step is the span's last
+    starts = fast.executor.run_span(span, float("inf"))
+    finished = fast.advance_decodes(len(starts), DUMMY_TOKEN, starts)
+    slow_finished = [o for _ in starts for o in slow.step() if o.finished]
+    assert finished and finished == slow_finished
+    assert fast_clock.now() == slow_clock.now() and fast.num_steps == slow.num_steps
+    assert [r.request_id for r in fast.scheduler.running] == [r.request_id for r in slow.scheduler.running]
+
+
 def test_a_run_without_rows_streams_the_same_summary():
     spec = WorkloadSpec(duration_s=20, rps=15, seed=2, lengths=CPU_LENGTHS, adapters=Adapters(count=30))
     trace, profile = generate(spec), load_profile("cpu-tiny")

@@ -126,6 +126,7 @@ class BatchScheduler:
         self.idle = IdleCapacity()
         self._stalled: str | None = None  # the limit of the last step when it admitted none and nothing moved
         self._idle_step: tuple[int, int, str] | None = None  # what the last step left idle, if anything
+        self._span_finishes = 0  # the steps of the last decode span when its last step may finish requests
 
     # ---- the waiting requests: a policy's own structure ----------------------------------------
 
@@ -247,6 +248,7 @@ class BatchScheduler:
         steps = self._steps_that_fit(steps)
         if steps < 1:
             return None
+        self._span_finishes = 0 if last else steps  # its last step may finish requests
         chunks = [self._chunk(r, r.num_computed_tokens, 1, len(r.prompt_token_ids), len(r.output_token_ids))
                   for r in running]
         return DecodeSpan(chunks, steps, until)
@@ -257,7 +259,7 @@ class BatchScheduler:
         readings the steps start at, and the clock reads the end of the last. Returns the outputs
         of the requests the last step finished."""
         allocate, token_ids, tokens = self.memory.allocate, [token.token_id] * steps, [token] * steps
-        max_model_len, finishing = self.config.max_model_len, []
+        max_model_len, finishing, last = self.config.max_model_len, [], steps == self._span_finishes
         for request in self.running:
             if not allocate(request, steps):
                 raise RuntimeError(f"request {request.request_id!r} lost its KV room inside a decode span")
@@ -265,8 +267,7 @@ class BatchScheduler:
             request.output_token_ids.extend(token_ids)
             request.output_logprobs.extend(tokens)
             self._on_decoded(request, steps)
-            reason = finish_reason(request, max_model_len)
-            if reason is not None:
+            if last and (reason := finish_reason(request, max_model_len)) is not None:
                 finishing.append((request, reason))
         if self._stalled is not None:
             self.admission_limits[self._stalled] += steps
