@@ -132,12 +132,13 @@ class EngineCore:
                 self._prompt_tokens += o.num_prompt_tokens
         return outputs
 
-    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> None:
+    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> list[RequestOutput]:
         """Count `steps` plain decode steps of the scheduler's `decode_span` that an executor ran at
-        once (the twin's), starting at `starts`, each decode sampling `token`."""
-        self.scheduler.advance_decodes(steps, token, starts)
-        self._steps += steps
+        once (the twin's), starting at `starts`, each decode sampling `token`; returns the outputs
+        of the requests its last step finished."""
         self._generation_tokens += steps * self.scheduler.num_running
+        self._steps += steps
+        return self.scheduler.advance_decodes(steps, token, starts)
 
     @property
     def num_steps(self) -> int:

@@ -13,14 +13,13 @@ from loraplex.sim.executor import DUMMY_TOKEN, SimExecutor
 def step(core: EngineCore, executor: SimExecutor, until: float, strict: bool = False,
          exact: bool = False) -> list[RequestOutput] | None:
     """Run the next step of `core`, or with `exact` off, when it starts a span, the span's steps that
-    start at or before `until` (before it, `strict`). Returns the step's outputs ([] after a span: no
-    request finishes inside one), or None when a normal step ran nothing."""
+    start at or before `until` (before it, `strict`). Returns the step's outputs (after a span, those
+    of the requests its last step finished), or None when a normal step ran nothing."""
     if not exact:
         span = core.scheduler.decode_span(DUMMY_TOKEN.token_id)
         if span is not None:
             starts = executor.run_span(span, until, strict)
-            core.advance_decodes(len(starts), DUMMY_TOKEN, starts)
-            return []
+            return core.advance_decodes(len(starts), DUMMY_TOKEN, starts)
     steps = core.num_steps
     outputs = core.step()
     return outputs if outputs or core.num_steps != steps else None

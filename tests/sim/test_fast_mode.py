@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loraplex.latency.profile import load_profile
+from loraplex.latency.profile import Profile, load_profile
 from loraplex.sim.arrivals import Arrivals
 from loraplex.sim.cluster import ClusterConfig, simulate_cluster
 from loraplex.sim.drift import Drift, Surge
@@ -16,6 +16,7 @@ from loraplex.sim.executor import DUMMY_TOKEN
 from loraplex.sim.metrics import Slo, Summary
 from loraplex.sim.replay import make_request, register_adapters
 from loraplex.sim.server import make_sim_engine, sim_prompt, simulate_server
+from loraplex.sim.trace import Trace
 from loraplex.sim.workload import Adapters, Lengths, WorkloadSpec, generate
 
 BURSTY = Arrivals(process="gamma", cv=3.0)
@@ -69,19 +70,24 @@ def test_the_fast_mode_agrees_with_the_exact_mode(case):
     assert runs[0].results == runs[1].results
 
 
-def test_a_span_leaves_the_engine_as_its_steps_would():
-    profile = load_profile("cpu-tiny")
-    spec = WorkloadSpec(duration_s=1, rps=20, seed=1, lengths=CPU_LENGTHS, adapters=Adapters(count=4, ranks=[8, 16]))
-    trace = generate(spec)
+def engines_at_a_span(profile: Profile, trace: Trace) -> tuple:
+    """Two engines given the whole trace at once, stepped alike until the second could run a span."""
     engines = [make_sim_engine(profile) for _ in range(2)]
     for core, _ in engines:
         ids = register_adapters(core, trace.adapters())
         for r in trace.requests:
             core.add_request(make_request(r, 0.0, ids[r.adapter], sim_prompt))
-    (slow, slow_clock), (fast, fast_clock) = engines
+    (slow, _), (fast, _) = engines
     while (span := fast.scheduler.decode_span(DUMMY_TOKEN.token_id)) is None:
         fast.step()
         slow.step()
+    return (*engines, span)
+
+
+def test_a_span_leaves_the_engine_as_its_steps_would():
+    profile = load_profile("cpu-tiny")
+    spec = WorkloadSpec(duration_s=1, rps=20, seed=1, lengths=CPU_LENGTHS, adapters=Adapters(count=4, ranks=[8, 16]))
+    (slow, slow_clock), (fast, fast_clock), span = engines_at_a_span(profile, generate(spec))
     assert span.steps >= 2 and len(span.chunks) == fast.scheduler.num_running
     starts = fast.executor.run_span(span, float("inf"))
     fast.advance_decodes(len(starts), DUMMY_TOKEN, starts)
@@ -94,6 +100,21 @@ def test_a_span_leaves_the_engine_as_its_steps_would():
     assert state[0] == state[1]
     assert slow.stats().generation_tokens_total == fast.stats().generation_tokens_total
     assert slow.num_steps == fast.num_steps
+
+
+def test_with_nothing_waiting_a_span_runs_through_the_step_that_finishes_a_request():
+    profile = load_profile("cpu-tiny")
+    spec = WorkloadSpec(duration_s=1, rps=3, seed=1, lengths=CPU_LENGTHS, adapters=Adapters(count=2, ranks=[8]))
+    (slow, slow_clock), (fast, fast_clock), span = engines_at_a_span(profile, generate(spec))
+    assert fast.scheduler.num_waiting == 0
+    first = min(r.sampling.max_tokens - len(r.output_token_ids) for r in fast.scheduler.running)
+    assert span.steps == first  # the finishing step is the span's last
+    starts = fast.executor.run_span(span, float("inf"))
+    finished = fast.advance_decodes(len(starts), DUMMY_TOKEN, starts)
+    slow_finished = [o for _ in starts for o in slow.step() if o.finished]
+    assert finished and finished == slow_finished
+    assert fast_clock.now() == slow_clock.now() and fast.num_steps == slow.num_steps
+    assert [r.request_id for r in fast.scheduler.running] == [r.request_id for r in slow.scheduler.running]
 
 
 def test_a_run_without_rows_streams_the_same_summary():

@@ -406,6 +406,8 @@ class DependencyTree:
             self._evictable[gone.kind].discard(gone)
             self._swap_in.discard(gone)
             gone.attached = False
+            if gone is not node:  # no parent-child cycle is left behind: a twin runs with the gc paused
+                gone.parent = None
         self._detach(node)
         return Released(device, host)
 

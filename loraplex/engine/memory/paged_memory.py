@@ -339,7 +339,8 @@ class PagedMemory:
     # ---- eviction -------------------------------------------------------------------------------
 
     def _eviction_key(self, node: Node) -> tuple:
-        """Ascending: what leaves the device first. Policies override."""
+        """Ascending: what leaves the device first; of the node's own state, not its children's.
+        Policies override."""
         return (node.last_access,)
 
     def _evictable(self, node: Node) -> bool:
@@ -366,6 +367,7 @@ class PagedMemory:
             if not self.tree.is_evictable(node):
                 continue  # became locked or gained a device child since the heap was built
             while node is not None:
+                node = self._run_top(node, pages - freed, heap[0][0] if heap else None)
                 parent = node.parent
                 freed += self._evict(node)
                 node = None
@@ -377,8 +379,26 @@ class PagedMemory:
                         node = parent
         return freed >= pages
 
+    def _run_top(self, leaf: Node, wanted: int, head: tuple | None) -> Node:
+        """The topmost of `leaf` and the parents `_make_room` would evict right after it, one by one:
+        each the only child of an evictable block that is still wanted and sorts before the heap's
+        `head`. Where eviction drops blocks (no host tier), dropping that one drops them all at once
+        (a finished request's chain is one run: one drop instead of one per page)."""
+        if self.host is not None or leaf.kind is not NodeKind.BLOCK:
+            return leaf
+        node = leaf
+        while wanted > 1:  # evicting `node` frees its page: its parent is wanted only if more are
+            parent = node.parent
+            if (parent is None or parent.kind is not NodeKind.BLOCK or len(parent.children) != 1
+                    or parent.tier is not Tier.DEVICE or parent.lock_ref or not self._evictable(parent)
+                    or (head is not None and not self._eviction_key(parent) < head)):
+                break
+            node, wanted = parent, wanted - 1
+        return node
+
     def _evict(self, node: Node) -> int:
-        """Move one device leaf off the device; returns the device pages freed."""
+        """Move a device leaf off the device (with `_run_top`'s run above it, when `node` is the
+        run's top); returns the device pages freed."""
         if node.kind is NodeKind.ADAPTER:
             pages = self.tree.evict_adapter(node)
             self._drop_handle(node.key)
@@ -394,7 +414,7 @@ class PagedMemory:
             pages = released.device_pages
             if released.host_pages:
                 self.host.free(released.host_pages)
-            self.counts["kv_evictions"] += 1
+            self.counts["kv_evictions"] += len(pages)
         self.pool.free(pages)
         return len(pages)
 

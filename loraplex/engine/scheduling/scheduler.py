@@ -75,7 +75,7 @@ class Scheduler(Protocol):
     def decode_span(self, token_id: int) -> DecodeSpan | None:
         """The next steps that only decode an unchanged batch, for an executor that runs them at once."""
 
-    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> None: ...
+    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> list[RequestOutput]: ...
 
     def stats(self) -> SchedulerStats:
         """A snapshot for metrics; cheap enough to take every second, not every step."""
@@ -126,6 +126,7 @@ class BatchScheduler:
         self.idle = IdleCapacity()
         self._stalled: str | None = None  # the limit of the last step when it admitted none and nothing moved
         self._idle_step: tuple[int, int, str] | None = None  # what the last step left idle, if anything
+        self._span_finishes = 0  # the steps of the last decode span when its last step may finish requests
 
     # ---- the waiting requests: a policy's own structure ----------------------------------------
 
@@ -220,7 +221,8 @@ class BatchScheduler:
 
     def decode_span(self, token_id: int) -> DecodeSpan | None:
         """The steps from now on that change nothing but positions, when every decode samples
-        `token_id`: each running request decodes one token and none finishes before the last of them,
+        `token_id`: each running request decodes one token and none finishes before the last of them
+        (nor in the last while requests wait),
         no request is admitted (none waits, or the last step's admissions stopped at a steady limit),
         preempted or waits on a copy, and the new KV blocks fit in the free pages. None when the next
         step is not one of them. The real engine never asks; the twin times a span at once and applies
@@ -233,26 +235,31 @@ class BatchScheduler:
         until = min(self.quiet_until(), self.memory.quiet_until())
         if until <= self.clock.now():
             return None
-        steps = self.config.max_model_len
+        # A finish frees a seat and a slot, which ends a stall; with nothing waiting nothing follows
+        # from it until an arrival, so the span may run through the step that finishes the first.
+        steps, last = self.config.max_model_len, 1 if self.num_waiting else 0
         for request in running:
             num_prompt, num_output = len(request.prompt_token_ids), len(request.output_token_ids)
             if (not num_output or request.num_computed_tokens != num_prompt + num_output - 1
                     or not _repeats(request, token_id)):
                 return None
-            steps = min(steps, request.sampling.max_tokens - num_output - 1,
-                        self.config.max_model_len - num_prompt - num_output - 1)
+            steps = min(steps, request.sampling.max_tokens - num_output - last,
+                        self.config.max_model_len - num_prompt - num_output - last)
         steps = self._steps_that_fit(steps)
         if steps < 1:
             return None
+        self._span_finishes = 0 if last else steps  # its last step may finish requests
         chunks = [self._chunk(r, r.num_computed_tokens, 1, len(r.prompt_token_ids), len(r.output_token_ids))
                   for r in running]
         return DecodeSpan(chunks, steps, until)
 
-    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> None:
+    def advance_decodes(self, steps: int, token: SampledToken, starts: Sequence[float]) -> list[RequestOutput]:
         """Apply `steps` steps of the span `decode_span` gave (at most its `steps`): what as many
         `schedule` / `update` rounds would do, each decode sampling `token`; `starts` are the clock
-        readings the steps start at."""
+        readings the steps start at, and the clock reads the end of the last. Returns the outputs
+        of the requests the last step finished."""
         allocate, token_ids, tokens = self.memory.allocate, [token.token_id] * steps, [token] * steps
+        max_model_len, finishing, last = self.config.max_model_len, [], steps == self._span_finishes
         for request in self.running:
             if not allocate(request, steps):
                 raise RuntimeError(f"request {request.request_id!r} lost its KV room inside a decode span")
@@ -260,11 +267,23 @@ class BatchScheduler:
             request.output_token_ids.extend(token_ids)
             request.output_logprobs.extend(tokens)
             self._on_decoded(request, steps)
+            if last and (reason := finish_reason(request, max_model_len)) is not None:
+                finishing.append((request, reason))
         if self._stalled is not None:
             self.admission_limits[self._stalled] += steps
             if self._idle_step is not None:  # each step of the span leaves what the last one left idle
                 self.idle.add(*self._idle_step, steps=steps)
         self.memory.note_decode_steps(starts, len(self.running))
+        outputs = []
+        for request, reason in finishing:  # in batch order, as `update` finishes them
+            self._finish(request, reason)
+            outputs.append(RequestOutput(request.request_id, [token.token_id], [token], len(request.prompt_token_ids),
+                                         len(request.output_token_ids), True, reason,
+                                         num_cached_tokens=request.num_cached_tokens))
+        if finishing:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self._stalled = None
+        return outputs
 
     def _on_decoded(self, request: Request, steps: int) -> None:
         """`request` decoded `steps` tokens in a span: policies that count tokens count them here."""
