@@ -10,10 +10,18 @@ engine's own time and a slow minute of the machine falls on the steps of every e
 
 What the clock leaves out: the wall time between steps (the other engines' steps, waits for the
 turn) and everything around the engine (HTTP, the serving loop). Background work of an engine
-(its copy thread) keeps running while another engine steps. A slow-down shorter than a step (the
+(its copy thread) may keep running while another engine steps. A slow-down shorter than a step (the
 operating system giving the CPU to a neighbour for half a second) lands on one engine's step only;
 a clock of the process's CPU time per step (`time.process_time`) leaves such stalls out, and with
 them any sleep inside a step (a wait for a copy).
+
+`time.process_time` counts every thread of the process, yet it charges a step with its own engine's
+work only: a per-thread log of both engines (docs/benchmarks.md, issue 39, part 6) found the CPU of
+an engine's steps on that engine's threads (its stepping thread, its torch worker, its copy thread;
+each adapter copy started and finished within the step that started it), under 0.1% of it on the
+other engine's. What it cannot remove is the machine's noise on the cost
+of the same work: up to 4% more CPU for one engine's run than for the other's, over the same tokens
+in batches of the same shape.
 """
 
 from __future__ import annotations

@@ -157,7 +157,8 @@ class RunResult:
     ttft_p99_over_time_s: list[float | None] = field(default_factory=list)  # per fifth of the arrival window
     steps: int = 0  # engine steps
     step_ms: float = 0.0  # mean wall (engine) or simulated (twin) time of a step
-    execute_ms: float = 0.0  # of which in the executor, wall time (engine; the rest is the scheduler's and the driver's)
+    execute_ms: float = 0.0  # of which in the executor, on the run's clock (engine; the rest is the scheduler's and the driver's)
+    execute_us_per_token: float = 0.0  # executor time per token it ran, prefill and decode (engine): the same work's cost
     adapter_loads: int = 0
     round: int | None = None  # of --engine-repeats (None: every round pooled, or the only run)
     rounds: int = 1  # runs pooled into this one
@@ -211,7 +212,8 @@ class Observed:
     stats: SchedulerStats
     steps: int  # engine steps of the run
     adapter_loads: int  # adapter copies to the device
-    execute_s: float  # wall seconds in the executor (the rest of a step is the scheduler's and the driver's)
+    execute_s: float  # seconds in the executor on the run's clock (the rest of a step is the scheduler's and the driver's)
+    executed_tokens: int  # tokens the executor ran, prefill and decode
     rps: float  # the rate its trace arrived at
 
 
@@ -300,18 +302,22 @@ def at_rate(trace: Trace, rps: float) -> Trace:
 # ---- clients: realistic max_tokens, stop at the trace's length ----------------------------------------
 
 class StopAtLength:
-    """An executor that samples a stop token as a request's `target`-th output token."""
+    """An executor that samples a stop token as a request's `target`-th output token, and counts the time
+    (`timer`: the run's clock, wall by default) and tokens of the executor it wraps."""
 
-    def __init__(self, inner: Executor, stop_id: int) -> None:
+    def __init__(self, inner: Executor, stop_id: int, timer: Callable[[], float] = time.perf_counter) -> None:
         self.inner = inner
         self.stop = SampledToken(stop_id)
         self.targets: dict[str, int] = {}
-        self.seconds = 0.0  # wall time inside the inner executor: a step's time less the scheduler's
+        self.timer = timer
+        self.seconds = 0.0  # time inside the inner executor: a step's time less the scheduler's
+        self.tokens = 0  # tokens it ran, prefill and decode
 
     def execute(self, output: SchedulerOutput) -> ExecutorResult:
-        start = time.perf_counter()
+        start = self.timer()
         result = self.inner.execute(output)
-        self.seconds += time.perf_counter() - start
+        self.seconds += self.timer() - start
+        self.tokens += output.num_tokens
         targets, sampled = self.targets, result.sampled
         for chunk in output.chunks:
             if chunk.sample and chunk.num_output_tokens + 1 >= targets.get(chunk.request_id, sys.maxsize):
@@ -321,14 +327,16 @@ class StopAtLength:
 
 class ClientCore:
     """What `replay` drives: the engine, with each request sent as its client sends it. `replay` builds a
-    request with max_tokens = its trace length; that becomes its stop target and max_tokens the cap."""
+    request with max_tokens = its trace length; that becomes its stop target and max_tokens the cap. `timer`
+    times the executor (`StopAtLength`)."""
 
-    def __init__(self, core: EngineCore, max_tokens: str, stop_id: int) -> None:
+    def __init__(self, core: EngineCore, max_tokens: str, stop_id: int,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         self.core = core
         self.clock = core.clock
         self.max_tokens = max_tokens
         self.stop_id = stop_id
-        self.stops = StopAtLength(core.executor, stop_id)
+        self.stops = StopAtLength(core.executor, stop_id, timer)
         core.executor = self.stops
 
     def add_request(self, request: Request) -> None:
@@ -401,9 +409,10 @@ def observe(core: EngineCore, log: ReplayLog, trace: Trace) -> Observed:
     results = [result_of(r, log.origin, r.adapter.name if r.adapter else None) for r in log.requests]
     engine = core.stats()
     executor = core.executor
+    timed = isinstance(executor, StopAtLength)
     return Observed(log.requests, results, trace_duration(trace), log.end - log.origin, offered_tokens(trace),
                     core.scheduler_stats(), engine.steps_total, engine.adapter_loads_total,
-                    executor.seconds if isinstance(executor, StopAtLength) else 0.0, float(trace.workload["rps"]))
+                    executor.seconds if timed else 0.0, executor.tokens if timed else 0, float(trace.workload["rps"]))
 
 
 def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> RunResult:
@@ -434,7 +443,8 @@ def measure(runs: list[Observed], scheduler: str, rps: float, slo_s: float) -> R
         ttft_p99_over_time_s=p99_over_time(runs), rounds=len(runs), steps=sum(run.steps for run in runs),
         step_ms=1e3 * sum(run.elapsed_s for run in runs) / max(1, sum(run.steps for run in runs)),
         adapter_loads=sum(run.adapter_loads for run in runs),
-        execute_ms=1e3 * sum(run.execute_s for run in runs) / max(1, sum(run.steps for run in runs)))
+        execute_ms=1e3 * sum(run.execute_s for run in runs) / max(1, sum(run.steps for run in runs)),
+        execute_us_per_token=1e6 * sum(run.execute_s for run in runs) / max(1, sum(run.executed_tokens for run in runs)))
 
 
 def p99_over_time(runs: list[Observed], windows: int = 5) -> list[float | None]:
@@ -896,14 +906,16 @@ def print_rounds(block: Block) -> None:
     print(f"\n== {block.side}, {workload}, memory_policy={block.memory_policy}: each round (ABBA order) against "
           "FIFO's of the same round")
     print(f"{'round':>5}{'load':>6}{'req/s':>7} {'scheduler':<10}{'tok/s':>7}{'vs FIFO':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'loads':>6}{'ahead':>6}"
-          "  idle steps/seats/tokens")
+          f"{'vs FIFO':>8}{'small p99':>10}{'vs FIFO':>8}{'steps':>7}{'step ms':>8}{'exec ms':>8}{'us/tok':>7}"
+          f"{'loads':>6}{'ahead':>6}  idle steps/seats/tokens")
     for r in sorted(block.rounds, key=lambda r: (r.load, r.round, r.scheduler != BASELINE)):
         print(f"{r.round + 1:>5}{r.load:>6.2f}{r.rps:>7.3g} {r.scheduler:<10}{r.throughput_tokens_per_s:>7.0f}"
               f"{_num(r.throughput_vs_fifo, '.3f'):>8}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
               f"{_num(r.p99_ttft_vs_fifo, '.2f'):>8}{_ms(r.small_ttft_p99_s):>10}{_num(r.small_p99_vs_fifo, '.2f'):>8}"
-              f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.adapter_loads:>6}{r.ahead:>6}  {_idle(r)}")
-    print("(req/s: the rate of the round's arrivals, load x the saturation rate it used; times in ms; step ms: the run's time over its steps, exec ms: of which in the executor; loads: adapter "
+              f"{r.steps:>7}{r.step_ms:>8.1f}{r.execute_ms:>8.1f}{r.execute_us_per_token:>7.1f}{r.adapter_loads:>6}"
+              f"{r.ahead:>6}  {_idle(r)}")
+    print("(req/s: the rate of the round's arrivals, load x the saturation rate it used; times in ms; step ms: the run's time over its steps, exec ms: of which in the executor (both on the run's clock); us/tok: "
+          "executor microseconds per token it ran (what the clock charged for the same work); loads: adapter "
           "copies; ahead: requests started before an earlier arrival, 0 when the order was FIFO's; pooled over the "
           "rounds: the block's table above)")
 

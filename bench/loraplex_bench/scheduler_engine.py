@@ -255,7 +255,7 @@ class EngineSide:
                 llm, ids = opened[i]
                 core = llm.core
                 core.executor = Lapped(core.executor, clocks[i])
-                client = ClientCore(core, self.args.max_tokens, self.vocab_size)
+                client = ClientCore(core, self.args.max_tokens, self.vocab_size, clocks[i].timer)
                 log = replay(cast(EngineCore, Lane(client, baton, i, clocks[i])), trace, ids, self.prompt,
                              partial(baton.jump, i))
                 return observe(core, log, trace)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from loraplex_bench.scheduler_compare import (
     TWIN_STOP_ID,
+    StopAtLength,
     TraceSpec,
     at_rate,
     choose_adapters,
@@ -21,8 +22,9 @@ from loraplex_bench.scheduler_compare import (
 )
 
 from loraplex.cli import main
+from loraplex.engine.messages import ExecutorResult, ScheduledChunk, SchedulerOutput
 from loraplex.engine.output.sampling import SamplingParams
-from loraplex.engine.request import Request
+from loraplex.engine.request import Request, SampledToken
 from loraplex.latency.profile import load_profile
 from loraplex.sim.replay import register_adapters
 from loraplex.sim.server import make_sim_engine, sim_prompt
@@ -107,6 +109,27 @@ def test_requests_stop_at_their_trace_length_under_a_context_cap() -> None:
         assert request.sampling.max_tokens == core.config.max_model_len - asked.prompt_len
 
 
+class Fixed:
+    """An executor that samples token 7 for every chunk that samples."""
+
+    def execute(self, output: SchedulerOutput) -> ExecutorResult:
+        return ExecutorResult(sampled={c.request_id: SampledToken(7) for c in output.chunks if c.sample})
+
+
+def test_stop_at_length_times_the_executor_on_the_given_clock_and_counts_its_tokens() -> None:
+    ticks = iter([10.0, 10.5, 20.0, 20.25])  # the run's clock (CPU time under --engine-clock cpu-steps)
+    stops = StopAtLength(Fixed(), stop_id=99, timer=lambda: next(ticks))
+    stops.targets["a"] = 2
+
+    def chunk(request_id: str, tokens: int, done: int) -> ScheduledChunk:
+        return ScheduledChunk(request_id, [5] * tokens, 0, [0], -1, True, SamplingParams(), num_output_tokens=done)
+
+    first = stops.execute(SchedulerOutput([chunk("a", 6, 0), chunk("b", 3, 0)]))
+    second = stops.execute(SchedulerOutput([chunk("a", 1, 1)]))
+    assert first.sampled["a"].token_id == 7 and second.sampled["a"].token_id == 99  # the 2nd output token stops it
+    assert stops.seconds == 0.75 and stops.tokens == 10
+
+
 def test_slo_throughput_bisects_between_the_grid_loads() -> None:
     knee = 0.9  # P99 TTFT is 1 s below 0.9 x saturation and 10 s above
     result = slo_throughput("x", {0.5: 1.0, 1.2: 10.0}, 2.0, 10.0, lambda load: 1.0 if load <= knee else 10.0)
@@ -173,6 +196,7 @@ def test_engine_side_smoke(clock: str, tmp_path: Path, capsys: pytest.CaptureFix
     assert sorted((r["round"], r["scheduler"]) for r in rounds) == [(0, "chameleon"), (0, "fifo"),
                                                                    (1, "chameleon"), (1, "fifo")]
     assert all(r["throughput_vs_fifo"] == 1.0 for r in rounds if r["scheduler"] == "fifo")
+    assert all(r["execute_us_per_token"] > 0 for r in rounds)
     # the two schedulers of a round share its rate (on the step clock, FIFO's capacity measured in that round)
     assert all(len({r["rps"] for r in rounds if r["round"] == k}) == 1 for k in (0, 1))
     # work-conserving but for FIFO's own stop: an aged request refused KV pages keeps the pages that free
