@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loraplex.routing.prefix import PrefixConfig
+from loraplex.routing.prefix import PrefixConfig, chunk_tokens
 from loraplex.routing.rank_aware import RankAwareConfig, RankAwareScorer, SloFilter
 from loraplex.routing.records import ServerBatch
 
@@ -152,13 +152,22 @@ class PrefixFilter:
         if request.prefix_blocks < floor or max(c.prefix_blocks for c in candidates) < floor:
             return candidates
         least = min(c.queue_depth for c in candidates)
-        slack = self.config.load_slack + (self.config.alora_slack if request.alora else 0)
-        ceiling = least * self.config.load_factor + slack
-        light = [c for c in candidates if c.queue_depth <= ceiling]
+        ceiling = least * self.config.load_factor + self.config.load_slack
+        light = [c for c in candidates if c.queue_depth <= ceiling + self.alora_slack(request, c)]
         best = max(c.prefix_blocks for c in light)
         if best < floor:
             return light
         return [c for c in light if c.prefix_blocks == best]
+
+    def alora_slack(self, request: RouteRequest, candidate: Candidate) -> int:
+        """The extra load an activated LoRA's request may queue behind on a server: `alora_slack`, and one
+        request more per `alora_slack_tokens` of its prompt cached there, the prefill that server saves it
+        (a checker sent elsewhere recomputes the whole conversation). Ordinary requests: none."""
+        if not request.alora:
+            return 0
+        per = self.config.alora_slack_tokens
+        saved = candidate.prefix_blocks * chunk_tokens(self.config.chunk_chars)
+        return self.config.alora_slack + (saved // per if per else 0)
 
 
 # ---- scorers --------------------------------------------------------------------------------

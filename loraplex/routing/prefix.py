@@ -29,9 +29,10 @@ The `prefix` filter (`loraplex.routing.pipeline.PrefixFilter`) keeps, of the ser
 (ties and requests with no match anywhere are left to the profile's scorers: φ for `prefix-aware`,
 Algorithm 1 for `prefix-rank-aware`). The ceiling, `load_factor` × the least queue + `load_slack`,
 bounds how far a hot prefix can pile requests onto one server: past it, the request goes to a
-lighter server, which then holds the prefix too. An activated LoRA's request gets `alora_slack` more:
-a pipeline fans several checkers out at once onto one conversation, and each one sent elsewhere
-recomputes the whole conversation there.
+lighter server, which then holds the prefix too. An activated LoRA's request gets `alora_slack` more,
+and one more per `alora_slack_tokens` of its prompt cached on the server: a pipeline fans several
+checkers out at once onto one conversation, and each one sent elsewhere recomputes the whole
+conversation there, so the longer the conversation, the longer it is worth queueing behind it.
 """
 
 from __future__ import annotations
@@ -60,13 +61,17 @@ class PrefixConfig:
     load_slack: int = 2
     alora_slack: int = 4             # more slack for an activated LoRA's request: a checker fan-out stays
                                      # with its conversation (the base model's prefix), ordinary traffic does not
+    alora_slack_tokens: int = 128    # and one more request of slack on a server per this many of its prompt
+                                     # tokens cached there (the prefill it saves there); 0: none
     min_match: int = 1               # chunks a match needs to count
 
     def __post_init__(self) -> None:
         if self.chunk_chars < 4 or self.blocks_per_server < 1 or self.min_match < 1:
             raise ValueError("chunk_chars must be >= 4, blocks_per_server and min_match >= 1")
-        if not (self.ttl_s > 0 and self.load_factor >= 1 and self.load_slack >= 0 and self.alora_slack >= 0):
-            raise ValueError("ttl_s must be positive, load_factor >= 1, load_slack and alora_slack >= 0")
+        if not (self.ttl_s > 0 and self.load_factor >= 1
+                and min(self.load_slack, self.alora_slack, self.alora_slack_tokens) >= 0):
+            raise ValueError("ttl_s must be positive, load_factor >= 1, load_slack, alora_slack and "
+                             "alora_slack_tokens >= 0")
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> PrefixConfig:
@@ -75,7 +80,7 @@ class PrefixConfig:
 
 
 OPTIONS = {"chunk_chars": int, "blocks_per_server": int, "ttl_s": float, "load_factor": float,
-           "load_slack": int, "alora_slack": int, "min_match": int}
+           "load_slack": int, "alora_slack": int, "alora_slack_tokens": int, "min_match": int}
 
 
 # ---- keys -----------------------------------------------------------------------------------

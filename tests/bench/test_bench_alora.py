@@ -34,7 +34,8 @@ def test_the_twin_routes_a_fan_out_as_the_router_does(tmp_path) -> None:
         [alora] = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "alora"]
         return alora["checker_cached"] / alora["checker_prompt"]
 
-    strict = [f"--routing-option={o}" for o in ("load_slack=0", "alora_slack=0", "load_factor=1")]
+    strict = [f"--routing-option={o}"
+              for o in ("load_slack=0", "alora_slack=0", "alora_slack_tokens=0", "load_factor=1")]
     assert cached_share(*strict) < cached_share()
 
 

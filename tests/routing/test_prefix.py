@@ -114,12 +114,19 @@ def test_the_filter_keeps_the_longest_match_under_the_load_ceiling() -> None:
 
 def test_an_activated_loras_request_may_queue_longer_behind_its_conversation() -> None:
     """A checker fan-out stays on the server holding its conversation up to `alora_slack` more requests
-    than ordinary traffic would, and no further."""
-    f = PrefixFilter(PrefixConfig(load_factor=1.5, load_slack=2, alora_slack=4))
+    than ordinary traffic would, one more per `alora_slack_tokens` of its prompt cached there, and no further."""
+    f = PrefixFilter(PrefixConfig(load_factor=1.5, load_slack=2, alora_slack=4, alora_slack_tokens=0))
     checker, ordinary = RouteRequest("c", prefix_blocks=8, alora=True), RouteRequest("a", prefix_blocks=8)
     assert ids(f.filter(checker, cands((8, 6), (0, 0)))) == ["s0"]  # 6 <= 0 * 1.5 + 2 + 4
     assert ids(f.filter(ordinary, cands((8, 6), (0, 0)))) == ["s1"]
     assert ids(f.filter(checker, cands((8, 7), (0, 0)))) == ["s1"]  # still bounded by load
+    scaled = PrefixFilter(PrefixConfig(load_factor=1.5, load_slack=2, alora_slack=4, alora_slack_tokens=32))
+    long = RouteRequest("c", prefix_blocks=96, alora=True)  # 96 chunks of 16 tokens: 1,536 cached, 48 more
+    assert ids(scaled.filter(long, cands((96, 54), (0, 0)))) == ["s0"]  # 54 <= 0 * 1.5 + 2 + 4 + 48
+    assert ids(scaled.filter(long, cands((96, 55), (0, 0)))) == ["s1"]  # still bounded by load
+    assert ids(scaled.filter(checker, cands((8, 10), (0, 0)))) == ["s0"]  # a short match buys little: 2 + 4 + 4
+    assert ids(scaled.filter(checker, cands((8, 11), (0, 0)))) == ["s1"]
+    assert ids(scaled.filter(ordinary, cands((96, 3), (0, 0)))) == ["s1"]  # ordinary traffic: load_slack only
     records = {"chk": AdapterRecord("chk", "sha256:0", 8, 1, "file:///chk", invocation_tokens=(7, 8)),
                "a": AdapterRecord("a", "sha256:1", 8, 1, "file:///a")}
     snapshot = Snapshot(None, {}, records)  # the router's: the record says which adapter is activated
@@ -138,6 +145,8 @@ def test_prefix_profiles_read_their_options() -> None:
         build_profile(RoutingChoice("prefix-aware", {"ttl_s": "long"}))
     with pytest.raises(ValueError, match="load_factor >= 1"):
         build_profile(RoutingChoice("prefix-aware", {"load_factor": "0.5"}))
+    with pytest.raises(ValueError, match="alora_slack_tokens >= 0"):
+        build_profile(RoutingChoice("prefix-aware", {"alora_slack_tokens": "-1"}))
 
 
 def test_phi_still_governs_requests_without_prefix_history() -> None:
