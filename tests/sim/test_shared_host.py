@@ -24,6 +24,21 @@ def test_a_step_stretches_by_the_engines_busy_at_its_start_over_the_cores() -> N
         SharedHost(cores=0)
 
 
+def test_serving_work_in_flight_takes_its_share_of_the_cores() -> None:
+    """A request's serving CPU, spread over its serving path, counts as that share of a core while the
+    path lasts: 0.2 s of CPU over 0.4 s is half a core."""
+    host = SharedHost(cores=2)
+    host.serve(0.0, 0.4, 0.2)
+    host.serve(0.1, 0.4, 0.2)
+    assert host.stretch(1, 0.0, 1.0) == 1.0  # one engine and half a core of serving on two cores
+    assert host.stretch(2, 0.2, 1.0) == pytest.approx(1.5)  # two engines and two requests' serving
+    assert host.stretch(3, 1.2, 1.0) == pytest.approx(1.0)  # both paths over: engines 2 and 3 on two cores
+    host.serve(0.0, 0.0, 0.0)  # no path, no CPU: nothing to spread
+    for seconds, cpu in ((0.0, 0.1), (0.1, -1.0)):
+        with pytest.raises(ValueError):
+            host.serve(0.0, seconds, cpu)
+
+
 def test_the_twin_executor_stretches_its_steps_on_a_shared_host() -> None:
     profile = load_profile("cpu-tiny")
     times = []
