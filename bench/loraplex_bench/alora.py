@@ -17,7 +17,11 @@ messages are whole words of the vocabulary and the answers are kept to whole wor
 computed. Each run tags its text with its mode, k and round, so no run finds another's KV; with
 `--rounds 2` the modes run in ABBA order and each row pools its rounds. TTFT is measured at the
 client; `cached` is the sum of `usage.prompt_tokens_details.cached_tokens` over the responses, and
-`engine hits` the change of the agents' `vllm:prefix_cache_hits` over the run.
+`engine hits` the change of the agents' `vllm:prefix_cache_hits` over the run. The serving CPU per
+request: the CPU time (user + system, /proc) of this process (the client), the router, redis-server
+and the agents over the run, less the agents' engine threads (`loraplex:engine_thread_cpu_seconds`),
+over the requests: what serving a request costs the host outside the engines' steps (HTTP and SSE,
+routing, chat template, tokenizing, the client's own work).
 
 Both sides run the engines with `--long-prefill-token-threshold` (the pool's
 `engine.longPrefillTokenThreshold`), the same for both arms.
@@ -27,11 +31,13 @@ timeline (`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), e
 by the router's own `prefix-aware` profile (the same --routing-option knobs) over a prefix index of
 the prompts' token blocks and its in-flight counts, so a fan-out that overloads its conversation's
 server spills as it does on the stack; the engine's own prefix cache keys an activated LoRA's
-conversation as the base model's, as on the agents. EMULATION of the local stack's host: the engines'
-steps stretch by the cores they share (`loraplex.sim.shared_host`, `--twin-host-cores`, a background
-load), and every request reaches its engine one serving path (client, router, HTTP, chat template)
-after it is sent. Both come from the engine side when it ran in the same command or is given with
-`--engine-json`: the serving path is its mean client TTFT minus the agents' own TTFT metric, the
+conversation as the base model's, as on the agents. EMULATION of the local stack's host: every
+request reaches its engine one serving path (client, router, HTTP, chat template) after it is sent,
+its serving CPU spread evenly over that path, and the engines' steps stretch by the cores they share
+with each other, with the serving work then in flight and with a background load
+(`loraplex.sim.shared_host`, `--twin-host-cores`). All three come from the engine side when it ran in
+the same command or is given with `--engine-json`: the serving path is its mean client TTFT minus the
+agents' own TTFT metric, the serving CPU its measured CPU per request outside the engine threads, the
 background its load average beyond its agents and one for the router and client.
 """
 
@@ -91,9 +97,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--twin-serving-ms", type=float, default=0.0,
                    help="the serving path per request (client, router, HTTP, chat template) when the engine side "
                    "did not run to measure it")
+    p.add_argument("--twin-serving-cpu-ms", type=float, default=0.0,
+                   help="EMULATION: the CPU a request's serving path takes on the shared cores when the engine side "
+                   "did not run to measure it (needs --twin-serving-ms)")
     p.add_argument("--engine-json", default=None, metavar="PATH",
                    help="with --side twin: the twin against an engine side recorded earlier (its --json): its "
-                   "measured serving path and background load are the twin's, its rows join the table")
+                   "measured serving path, its CPU and the background load are the twin's, its rows join the table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows here")
 
@@ -116,6 +125,8 @@ class Row:
     errors: int = 0
     serving_s: float | None = None  # engine side: mean client TTFT minus the agents' own (their TTFT metric)
     load: float | None = None  # engine side: the machine's 1-minute load average over the runs
+    serving_cpu_s: float | None = None  # engine side: CPU per request outside the agents' engine threads
+    engine_cpu_s: float | None = None  # CPU per request of the engines' steps (twin: as profiled, unstretched)
 
 
 @dataclass
@@ -130,6 +141,8 @@ class Run:
     agent_ttft_s: float = 0.0  # the agents' vllm:time_to_first_token_seconds over the run: sum
     agent_firsts: float = 0.0  # and count
     load: float = 0.0  # the 1-minute load average, mean of its readings at the run's start and end
+    cpu_s: float = 0.0  # CPU time of the stack's processes and the client over the run
+    engine_cpu_s: float = 0.0  # of that, the agents' engine threads (twin: its steps' profiled seconds)
 
 
 def pooled(side: str, mode: str, k: int, runs: list[Run]) -> Row:
@@ -137,12 +150,19 @@ def pooled(side: str, mode: str, k: int, runs: list[Run]) -> Row:
     checkers = [r for r in requests if r[0] == "checker"]
     firsts = sum(r.agent_firsts for r in runs)
     serving = _mean(r[1] for r in requests) - sum(r.agent_ttft_s for r in runs) / firsts if firsts else None
+    engine = side == "engine"
     return Row(side, mode, k, sum(r.pipelines for r in runs), _mean(r[1] for r in checkers),
                _mean(r[1] for r in requests if r[0] == "base"),
                sum(r.pipelines for r in runs) / sum(r.elapsed_s for r in runs),
                sum(r[2] for r in checkers), sum(r[3] for r in checkers), sum(r[3] for r in requests),
-               sum(r.hits for r in runs) if side == "engine" else None, sum(r.errors for r in runs), serving,
-               _mean(r.load for r in runs) if side == "engine" else None)
+               sum(r.hits for r in runs) if engine else None, sum(r.errors for r in runs), serving,
+               _mean(r.load for r in runs) if engine else None,
+               sum(r.cpu_s - r.engine_cpu_s for r in runs) / len(requests) if engine and requests else None,
+               sum(r.engine_cpu_s for r in runs) / len(requests) if requests else None)
+
+
+def _ms(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def _mean(values) -> float:
@@ -168,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
     ks = parse_ks(args.ks)
     if args.sessions < 1 or args.turns < 1 or args.agents < 1 or args.rounds < 1:
         raise CommandError("--sessions, --turns, --agents and --rounds must be >= 1")
+    if args.twin_serving_cpu_ms < 0 or (args.twin_serving_cpu_ms > 0 and args.twin_serving_ms <= 0):
+        raise CommandError("--twin-serving-cpu-ms must be >= 0, and > 0 only with a --twin-serving-ms > 0 to "
+                           "spread it over")
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-alora-") as tmp:
         from loraplex_agent.tools.tiny_model import invocation_tokens, make_tiny_model
@@ -208,15 +231,26 @@ def recorded_engine_rows(path: Path, args: argparse.Namespace, ks: list[int]) ->
     return [r for r in rows if r.k in ks]
 
 
-def measured_host(rows: list[Row], agents: int) -> dict[int, tuple[float, float]]:
+@dataclass(frozen=True)
+class TwinHost:
+    """What the twin takes of the engine side's host at one k."""
+
+    serving_s: float  # the serving path per request
+    serving_cpu_s: float  # the CPU it takes (EMULATION: spread over the path, on the shared cores)
+    background: float  # other processes keeping a core busy
+
+
+def measured_host(rows: list[Row], agents: int) -> dict[int, TwinHost]:
     """k -> what the engine side measured of its host there, both modes' runs pooled: the serving path
-    per request (seconds), and the background load: the load average beyond the stack's own agents and
-    one more for its router and client."""
+    per request, its CPU (0 from a recording made before it was measured), and the background load: the
+    load average beyond the stack's own agents and one more for its router and client."""
     by_k: dict[int, list[Row]] = {}
     for r in rows:
         if r.side == "engine" and r.serving_s is not None and r.load is not None:
             by_k.setdefault(r.k, []).append(r)
-    return {k: (float(np.mean([r.serving_s for r in v])), max(0.0, float(np.mean([r.load for r in v])) - agents - 1))
+    return {k: TwinHost(float(np.mean([r.serving_s for r in v])),
+                        float(np.mean([r.serving_cpu_s or 0.0 for r in v])),
+                        max(0.0, float(np.mean([r.load for r in v])) - agents - 1))
             for k, v in by_k.items()}
 
 
@@ -239,19 +273,22 @@ def report(rows: list[Row]) -> str:
 # ---- twin -------------------------------------------------------------------------------------
 
 def run_twin(args: argparse.Namespace, ks: list[int], invocation: list[int],
-             measured: dict[int, tuple[float, float]] | None = None) -> list[Row]:
-    """`measured`: k -> (serving path seconds, background load) as the engine side measured them; else
-    `--twin-serving-ms` and `--twin-background`."""
+             measured: dict[int, TwinHost] | None = None) -> list[Row]:
+    """`measured`: k -> the host as the engine side measured it; else `--twin-serving-ms`,
+    `--twin-serving-cpu-ms` and `--twin-background`."""
     from loraplex.latency.profile import load_profile
 
+    given = TwinHost(args.twin_serving_ms / 1e3, args.twin_serving_cpu_ms / 1e3, args.twin_background)
     profile = load_profile(args.profile)
     rows = []
     for k in ks:
-        serving_s, background = (measured or {}).get(k, (args.twin_serving_ms / 1e3, args.twin_background))
-        stage(f"twin, k={k}: serving path {serving_s * 1e3:.0f} ms, EMULATION: {args.twin_host_cores:g} cores "
-              f"shared, background load {background:.1f}")
-        for mode in MODES:
-            rows.append(pooled("twin", mode, k, [twin_run(args, profile, mode, k, invocation, serving_s, background)]))
+        host = (measured or {}).get(k, given)
+        stage(f"twin, k={k}: serving path {host.serving_s * 1e3:.0f} ms, EMULATION: its CPU "
+              f"{host.serving_cpu_s * 1e3:.1f} ms per request on {args.twin_host_cores:g} cores shared with the "
+              f"engines' steps, background load {host.background:.1f}")
+        rows += [pooled("twin", mode, k, [twin_run(args, profile, mode, k, invocation, host)]) for mode in MODES]
+        stage(f"twin, k={k}, per request: " + "; ".join(f"{r.mode}: engine steps' CPU {_ms(r.engine_cpu_s)}"
+                                                        for r in rows[-len(MODES):]))
     return rows
 
 
@@ -260,18 +297,17 @@ def twin_engine_config(profile, args: argparse.Namespace):  # noqa: ANN001, ANN2
     return profile.engine_config(long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
-def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int], serving_s: float,
-             background: float) -> Run:
+def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int], host: TwinHost) -> Run:
     """The agents' engines on one virtual timeline behind the router's `prefix-aware` profile (its
-    prefix index over the prompts' token blocks, its in-flight counts), their steps stretched by the
-    cores they share (EMULATION: `loraplex.sim.shared_host`), every request reaching its engine
-    `serving_s` after it is sent."""
+    prefix index over the prompts' token blocks, its in-flight counts), every request reaching its
+    engine `host.serving_s` after it is sent, the engines' steps stretched by the cores they share with
+    each other and with the serving work in flight (EMULATION: `loraplex.sim.shared_host`)."""
     from loraplex.sim.shared_host import SharedHost
 
-    out = Run()
-    twin = _Twin(args, profile, mode, k, invocation, serving_s, SharedHost(args.twin_host_cores, background), out)
+    out, shared = Run(), SharedHost(args.twin_host_cores, host.background)
+    twin = _Twin(args, profile, mode, k, invocation, host, shared, out)
     twin.run()
-    out.elapsed_s = max(s.clock.now() for s in twin.servers)
+    out.elapsed_s, out.engine_cpu_s = max(s.clock.now() for s in twin.servers), shared.steps_cpu_s
     return out
 
 
@@ -290,13 +326,14 @@ class _Twin:
     it, else the step of the busy engine furthest behind)."""
 
     def __init__(self, args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int],
-                 serving_s: float, host, out: Run) -> None:
+                 measured: TwinHost, host, out: Run) -> None:
         from loraplex.routing.pipeline import make_profile, prefix_config
         from loraplex.routing.prefix import PrefixConfig, PrefixIndex
         from loraplex.routing.rank_aware import parse_options
         from loraplex.sim.server import make_sim_engine
 
-        self.args, self.out, self.invocation, self.serving_s = args, out, invocation, serving_s
+        self.args, self.out, self.invocation, self.host = args, out, invocation, host
+        self.serving_s, self.serving_cpu_s = measured.serving_s, measured.serving_cpu_s
         self.alora = mode == "alora"
         self.ids = {name: AdapterId(name, "sha256:" + name) for name in checker_names(mode, k)}
         self.servers = []
@@ -372,6 +409,7 @@ class _Twin:
         request = Request(request_id, prompt, sampling, adapter=self.ids[adapter] if adapter else None,
                           arrival_time=sent + self.serving_s)
         self.requests[request_id] = (session, kind, request, server)
+        self.host.serve(sent, self.serving_s, self.serving_cpu_s)
         self.waiting.setdefault(session, set()).add(request_id)
         server.in_flight += 1
         heapq.heappush(server.due, (request.arrival_time, len(self.requests), request))
@@ -429,14 +467,18 @@ def run_engine(args: argparse.Namespace, ks: list[int], model: Path, workdir: Pa
         wait_placed(stack, adapters, args.agents)
         warm_up(stack.router_url, adapters, stage)
         agents = [s.url for s in stack.store.healthy_servers()]
+        pids = [c.process.pid for c in (*stack.agents.values(), stack.router, stack.redis) if c is not None]
         for k in ks:
             runs: dict[str, list[Run]] = {m: [] for m in MODES}
             for round_ in range(args.rounds):
                 for mode in MODES if round_ % 2 == 0 else reversed(MODES):
                     stage(f"engine, k={k}, {mode}, round {round_ + 1} of {args.rounds}")
-                    runs[mode].append(engine_run(stack.router_url, agents, args, words, mode, k,
+                    runs[mode].append(engine_run(stack.router_url, agents, pids, args, words, mode, k,
                                                  f"{mode} {k} {round_}"))
             rows += [pooled("engine", mode, k, r) for mode, r in runs.items()]
+            stage(f"engine, k={k}, per request: " + "; ".join(
+                f"{r.mode}: serving path {_ms(r.serving_s)}, serving CPU {_ms(r.serving_cpu_s)}, engine steps' CPU "
+                f"{_ms(r.engine_cpu_s)}" for r in rows[-len(MODES):]))
     return rows
 
 
@@ -458,19 +500,29 @@ def write_manifests(folder: Path, model: Path, adapters: list[str], agents: int,
     return folder
 
 
-def engine_run(url: str, agents: list[str], args: argparse.Namespace, words, mode: str, k: int, tag: str) -> Run:
+def engine_run(url: str, agents: list[str], pids: list[int], args: argparse.Namespace, words, mode: str, k: int,
+               tag: str) -> Run:
+    """One run of the workload through the router; `pids`: the stack's processes, whose CPU time
+    (with this process's, the client's) the run records."""
     from loraplex_bench.prefix_routing_engine import metric_sums
+    from loraplex_bench.rss import cpu_seconds
 
-    names = ("vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count")
+    names = ("vllm:prefix_cache_hits", "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+             "loraplex:engine_thread_cpu_seconds")
 
     def sums() -> np.ndarray:
         return np.sum([metric_sums(a + "/metrics", *names) for a in agents], axis=0)
 
+    def cpu() -> float:
+        return time.process_time() + sum(cpu_seconds(pid) or 0.0 for pid in pids)
+
     out = Run()
-    before, started, load = sums(), time.monotonic(), os.getloadavg()[0]
+    before, load = sums(), os.getloadavg()[0]
+    started, cpu_started = time.monotonic(), cpu()
     asyncio.run(_drive(url, args, words, checker_names(mode, k), tag, out))
-    out.elapsed_s, out.load = time.monotonic() - started, (load + os.getloadavg()[0]) / 2
-    out.hits, out.agent_ttft_s, out.agent_firsts = (float(x) for x in sums() - before)
+    out.elapsed_s, out.cpu_s = time.monotonic() - started, cpu() - cpu_started
+    out.load = (load + os.getloadavg()[0]) / 2
+    out.hits, out.agent_ttft_s, out.agent_firsts, out.engine_cpu_s = (float(x) for x in sums() - before)
     return out
 
 

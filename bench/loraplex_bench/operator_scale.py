@@ -51,6 +51,7 @@ from typing import Any
 
 from loraplex.ports import free_port
 from loraplex.spec.errors import CommandError
+from loraplex_bench.rss import cpu_seconds
 
 GROUP, VERSION = "loraplex.io", "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -116,17 +117,6 @@ def _parse_ts(text: str) -> float:
 def _with_query(url: str, **params: str) -> str:
     sep = "&" if "?" in url else "?"
     return url + sep + "&".join(f"{k}={v}" for k, v in params.items())
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """utime+stime (+ waited children) of a live process, from /proc/PID/stat."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -512,7 +502,7 @@ class OperatorProcess:
         log.close()
 
     def cpu(self) -> float:
-        live = _cpu_seconds(self.proc.pid) if self.proc is not None and self.proc.poll() is None else None
+        live = cpu_seconds(self.proc.pid) if self.proc is not None and self.proc.poll() is None else None
         return self.cpu_done + (live or 0.0)
 
     def alive(self) -> bool:

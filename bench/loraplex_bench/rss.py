@@ -1,8 +1,9 @@
-"""Resident memory of processes, sampled in a thread (`loraplex bench soak`)."""
+"""Resident memory of processes, sampled in a thread (`loraplex bench soak`), and their CPU time."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,17 @@ def vm_rss_kib(pid: int) -> int | None:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return None  # a zombie has no VmRSS line
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime+stime (+ waited children) of a live process, from /proc/PID/stat; None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class RssSampler:

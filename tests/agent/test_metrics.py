@@ -23,6 +23,7 @@ VLLM_NAMES = {
     "loraplex:adapter_loads": "counter",
     "loraplex:resident_adapters": "gauge",
     "loraplex:request_success": "counter",
+    "loraplex:engine_thread_cpu_seconds": "counter",
 }
 
 
@@ -65,6 +66,7 @@ def test_counters_and_histograms_move_with_requests(agent):
     assert delta("vllm:request_queue_time_seconds", "_count") >= 1
     assert 0.0 <= _value(after["vllm:kv_cache_usage_perc"]) <= 1.0
     assert _value(after["loraplex:resident_adapters"]) >= 1
+    assert delta("loraplex:engine_thread_cpu_seconds") > 0  # the engine thread stepped the request
 
 
 def test_lora_requests_info_has_vllm_labels(agent):

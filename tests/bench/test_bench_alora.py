@@ -41,7 +41,8 @@ def test_the_twin_routes_a_fan_out_as_the_router_does(tmp_path) -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [(["--ks", "7"], "--ks takes 1 to 6"),
                                                  (["--ks", "x"], "comma-separated integers"),
-                                                 (["--sessions", "0"], "must be >= 1")])
+                                                 (["--sessions", "0"], "must be >= 1"),
+                                                 (["--twin-serving-cpu-ms", "5"], "only with a --twin-serving-ms")])
 def test_bad_arguments_are_one_line(flags, message, capsys) -> None:
     assert main(["bench", "alora", "--side", "twin", *flags]) != 0
     assert message in capsys.readouterr().err
@@ -49,19 +50,34 @@ def test_bad_arguments_are_one_line(flags, message, capsys) -> None:
 
 def test_the_twin_against_a_recorded_engine_side_takes_its_serving_path_and_load(tmp_path, capsys) -> None:
     """--engine-json: the engine side's rows join the table, and what it measured of its host (the
-    serving path per request, the load beyond its own processes) is the twin's; a recording of another
-    workload is refused in one line."""
+    serving path per request, its CPU, the load beyond its own processes) is the twin's; a recording of
+    another workload is refused in one line."""
     argv = ["bench", "alora", "--side", "twin", "--ks", "2", "--sessions", "2", "--turns", "2",
             "--system-tokens", "200"]
     main([*argv, "--json", str(tmp_path / "twin.json")])
     recorded = json.loads((tmp_path / "twin.json").read_text())
-    engine = [{**r, "side": "engine", "engine_hits": r["cached"], "serving_s": 0.05, "load": 6.0}
-              for r in recorded["rows"]]  # what an engine side records, in its shape
+    engine = [{**r, "side": "engine", "engine_hits": r["cached"], "serving_s": 0.05, "load": 6.0,
+               "serving_cpu_s": 0.02} for r in recorded["rows"]]  # what an engine side records, in its shape
     (tmp_path / "engine.json").write_text(json.dumps({**recorded, "rows": engine}))
     capsys.readouterr()
     assert main([*argv, "--engine-json", str(tmp_path / "engine.json")]) == 0
     out = capsys.readouterr()
     assert "| engine | 2 | alora |" in out.out and "| twin | 2 | alora |" in out.out
     assert "serving path 50 ms" in out.out and "background load 2.0" in out.out  # 6 - 3 agents - 1
+    assert "its CPU 20.0 ms per request" in out.out
     assert main([*argv[:-1], "300", "--engine-json", str(tmp_path / "engine.json")]) != 0
     assert "ran another workload: --system-tokens 200" in capsys.readouterr().err
+
+
+def test_the_serving_paths_cpu_slows_the_engines_it_shares_cores_with(tmp_path) -> None:
+    """EMULATION: a request's serving CPU takes cores from the engines' steps while its path lasts, so
+    the same serving path with CPU finishes fewer pipelines per second than without."""
+    def speed(cpu_ms: str) -> float:
+        out = tmp_path / f"{cpu_ms}.json"
+        assert main(["bench", "alora", "--side", "twin", "--ks", "2", "--sessions", "3", "--turns", "2",
+                     "--system-tokens", "200", "--twin-host-cores", "1", "--twin-serving-ms", "50",
+                     "--twin-serving-cpu-ms", cpu_ms, "--json", str(out)]) == 0
+        [alora] = [r for r in json.loads(out.read_text())["rows"] if r["mode"] == "alora"]
+        return alora["pipelines_per_s"]
+
+    assert speed("40") < speed("0")

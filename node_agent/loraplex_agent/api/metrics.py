@@ -112,6 +112,9 @@ class EngineCollector(Collector):
                        stats.adapter_loads_total)
         yield _gauge("loraplex:resident_adapters", "Adapters resident in device slots.", model,
                      len(snap.resident_adapters))
+        yield _counter("loraplex:engine_thread_cpu_seconds", "CPU time (user + system) of the engine thread: its "
+                       "steps and the commands between them; the rest of the process's CPU is serving (HTTP, "
+                       "templates, tokenizing, streaming).", model, snap.engine_cpu_s)
         yield self._lora_requests_info(snap)
         yield self._cache_config_info(stats.num_blocks)
         if snap.scheduler is not None:

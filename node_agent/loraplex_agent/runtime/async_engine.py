@@ -58,6 +58,7 @@ class EngineSnapshot:
     resident_adapters: list[str] = field(default_factory=list)
     scheduler: SchedulerStats | None = None  # refreshed at most every SCHEDULER_STATS_PERIOD_S
     memory: MemoryStats | None = None  # refreshed with `scheduler`
+    engine_cpu_s: float = 0.0  # CPU time (user + system) of the engine thread so far: its steps and commands
     taken_at: float = field(default_factory=time.time)
 
 
@@ -91,6 +92,7 @@ class AsyncEngine:
         self._scheduler_stats: SchedulerStats | None = None
         self._scheduler_stats_at = 0.0
         self._memory_stats: MemoryStats | None = None
+        self._engine_cpu_s = 0.0  # time.thread_time() of the engine thread after its last iteration
         self._snapshot = self._take_snapshot()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -220,6 +222,7 @@ class AsyncEngine:
                 if self.core.has_unfinished():
                     self._dispatch(self.core.step())
                 self._finish_unloads()
+                self._engine_cpu_s = time.thread_time()
                 self._snapshot = self._take_snapshot()
                 self._iteration_started = None
         except BaseException as exc:  # the core's state is unknown now: fail everyone, stay down
@@ -296,7 +299,7 @@ class AsyncEngine:
             self._scheduler_stats_at = now
         return EngineSnapshot(stats=stats, running_adapters=sorted(running), waiting_adapters=sorted(waiting),
                               resident_adapters=sorted(a.name for a in stats.resident_adapters),
-                              scheduler=scheduler, memory=self._memory_stats)
+                              scheduler=scheduler, memory=self._memory_stats, engine_cpu_s=self._engine_cpu_s)
 
     def _fail_all(self, exc: BaseException) -> None:
         self.error = exc
