@@ -18,7 +18,7 @@ def test_twin_side_reports_alora_checkers_reusing_the_conversation(tmp_path, cap
     assert "| twin | 2 | alora |" in capsys.readouterr().out
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     alora, lora = rows["alora"], rows["lora"]
-    assert alora["pipelines"] == lora["pipelines"] == 4
+    assert alora["pipelines"] == lora["pipelines"] == 8  # the engine side's two rounds, pooled
     assert alora["checker_cached"] > 0.9 * alora["checker_prompt"]  # every checker on the base's KV
     assert lora["checker_cached"] < 0.6 * lora["checker_prompt"]  # only its own earlier turn
     assert alora["checker_ttft_s"] < lora["checker_ttft_s"]
