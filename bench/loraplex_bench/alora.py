@@ -331,6 +331,20 @@ class _TwinServer:
     clock: Any  # its ManualClock
     due: list[tuple[float, int, Request]] = field(default_factory=list)  # (arrival at the engine, order, request)
     in_flight: int = 0  # requests the router sent here that have not finished (the router's own count)
+    beats: list[tuple[float, int]] = field(default_factory=list)  # its last heartbeats: (when, its load then)
+    phase: float = 0.0  # its first heartbeat
+
+    def heartbeat(self, now: float, interval: float) -> None:
+        """The agent's heartbeats up to `now`, one every `interval`: its engine's running + waiting
+        requests (`ServerLoad`), as of its last step."""
+        while now >= (self.beats[-1][0] + interval if self.beats else self.phase):
+            at = self.beats[-1][0] + interval if self.beats else self.phase
+            self.beats = [*self.beats[-3:], (at, self.core.scheduler.num_running + self.core.scheduler.num_waiting)]
+
+    def load_seen(self, now: float, poll: float) -> int:
+        """The load of its last heartbeat that the router, reading the registry every `poll`, has read by `now`."""
+        read = now - now % poll
+        return next((load for at, load in reversed(self.beats) if at <= read), 0)
 
 
 class _Twin:
@@ -340,6 +354,8 @@ class _Twin:
 
     def __init__(self, args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int],
                  measured: TwinHost, host, out: Run, picks: random.Random) -> None:
+        from loraplex_local.flags import StackConfig
+
         from loraplex.routing.pipeline import make_profile, prefix_config
         from loraplex.routing.prefix import PrefixConfig, PrefixIndex
         from loraplex.routing.rank_aware import parse_options
@@ -348,6 +364,7 @@ class _Twin:
         self.args, self.out, self.invocation, self.host = args, out, invocation, host
         self.serving_s, self.serving_cpu_s = measured.serving_s, measured.serving_cpu_s
         self.alora = mode == "alora"
+        self.heartbeat_s = StackConfig().heartbeat_interval_s  # the engine side's stack's
         self.ids = {name: AdapterId(name, "sha256:" + name) for name in checker_names(mode, k)}
         self.servers = []
         for server in range(args.agents):
@@ -356,7 +373,9 @@ class _Twin:
             for adapter in self.ids.values():
                 core.add_adapter(AdapterInfo(adapter, 8, 8 * profile.memory.adapter_bytes_per_rank,
                                              invocation_tokens=tuple(invocation) if self.alora else ()))
-            self.servers.append(_TwinServer(f"twin-{server}", core, clock))
+            # the agents' heartbeats are not in step with each other, nor with the router's reads
+            self.servers.append(_TwinServer(f"twin-{server}", core, clock,
+                                            phase=server * self.heartbeat_s / args.agents))
         options = PrefixConfig.from_options(parse_options(args.routing_option))
         self.router = make_profile("prefix-aware", picks, prefix=options)
         self.index = PrefixIndex(prefix_config(self.router))
@@ -388,14 +407,19 @@ class _Twin:
                 self._step(min(busy, key=lambda s: s.clock.now()))
 
     def _step(self, server: _TwinServer) -> None:
+        server.heartbeat(server.clock.now(), self.heartbeat_s)
         for output in server.core.step():
             if output.finished:
                 self._finish(output.request_id, server.clock.now())
 
     def _route(self, adapter: str | None, prompt: list[int], sent: float) -> _TwinServer:
         """The router's pick: prefix-aware over its index of the prompt's blocks (an activated LoRA's:
-        the base model's blocks before the invocation), queue depth its in-flight count or the
-        engine's own, whichever is larger, as the router's snapshot takes it."""
+        the base model's blocks before the invocation), queue depth its in-flight count or the load
+        in the agent's last heartbeat it has read, whichever is larger, as the router's snapshot takes
+        it: the stack's agents beat every `StackConfig.heartbeat_interval_s`, its router reads them
+        every `ROUTER_POLL_INTERVAL_S`, so a load it sees can be 1.5 s old."""
+        from loraplex_local.flags import ROUTER_POLL_INTERVAL_S
+
         from loraplex.routing.pipeline import Candidate, Residency, RouteRequest
         from loraplex.routing.prefix import adapter_seed, alora_token_keys, token_keys
 
@@ -404,8 +428,10 @@ class _Twin:
         else:
             keys = token_keys(adapter_seed(adapter, self.ids[adapter].digest if adapter else ""), prompt, self.block)
         matches = self.index.matches((s.id for s in self.servers), keys, sent)
+        for server in self.servers:
+            server.heartbeat(sent, self.heartbeat_s)
         candidates = [Candidate(s.id, phi=1.0 / len(self.servers), residency=Residency.GPU,
-                                queue_depth=max(s.in_flight, s.core.scheduler.num_running + s.core.scheduler.num_waiting),
+                                queue_depth=max(s.in_flight, s.load_seen(sent, ROUTER_POLL_INTERVAL_S)),
                                 prefix_blocks=matches.get(s.id, 0)) for s in self.servers]
         route = RouteRequest(adapter, 8 if adapter else None, len(prompt), len(keys),
                              alora=adapter is not None and self.alora)
