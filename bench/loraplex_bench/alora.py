@@ -26,8 +26,10 @@ routing, chat template, tokenizing, the client's own work).
 Both sides run the engines with `--long-prefill-token-threshold` (the pool's
 `engine.longPrefillTokenThreshold`), the same for both arms.
 
-Twin side: the same workload on token ids through --agents real `EngineCore`s on one virtual
-timeline (`loraplex.sim.server.make_sim_engine`, latency profile `--profile`), every request routed
+Twin side: the same workload (its rounds too, in the same order, the router's random draws running
+on over all of them as in the stack's one router process) on token ids through --agents real
+`EngineCore`s on one virtual timeline (`loraplex.sim.server.make_sim_engine`, latency profile
+`--profile`), every request routed
 by the router's own `prefix-aware` profile (the same --routing-option knobs) over a prefix index of
 the prompts' token blocks and its in-flight counts, so a fan-out that overloads its conversation's
 server spills as it does on the stack; the engine's own prefix cache keys an activated LoRA's
@@ -174,6 +176,11 @@ def checker_names(mode: str, k: int) -> list[str]:
     return [f"{mode}{i:02d}-r8" for i in range(k)]
 
 
+def abba(rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in the order both sides run them: every mode each round, ABBA."""
+    return [(r, mode) for r in range(rounds) for mode in (MODES if r % 2 == 0 else MODES[::-1])]
+
+
 def parse_ks(text: str) -> list[int]:
     try:
         ks = [int(part) for part in text.split(",") if part.strip()]
@@ -280,13 +287,17 @@ def run_twin(args: argparse.Namespace, ks: list[int], invocation: list[int],
 
     given = TwinHost(args.twin_serving_ms / 1e3, args.twin_serving_cpu_ms / 1e3, args.twin_background)
     profile = load_profile(args.profile)
+    picks = random.Random(args.seed)  # one router's draws over every run, as the stack's one router process
     rows = []
     for k in ks:
         host = (measured or {}).get(k, given)
         stage(f"twin, k={k}: serving path {host.serving_s * 1e3:.0f} ms, EMULATION: its CPU "
               f"{host.serving_cpu_s * 1e3:.1f} ms per request on {args.twin_host_cores:g} cores shared with the "
               f"engines' steps, background load {host.background:.1f}")
-        rows += [pooled("twin", mode, k, [twin_run(args, profile, mode, k, invocation, host)]) for mode in MODES]
+        runs: dict[str, list[Run]] = {m: [] for m in MODES}
+        for _, mode in abba(args.rounds):  # the engine side's rounds, in its order
+            runs[mode].append(twin_run(args, profile, mode, k, invocation, host, picks))
+        rows += [pooled("twin", mode, k, r) for mode, r in runs.items()]
         stage(f"twin, k={k}, per request: " + "; ".join(f"{r.mode}: engine steps' CPU {_ms(r.engine_cpu_s)}"
                                                         for r in rows[-len(MODES):]))
     return rows
@@ -297,15 +308,17 @@ def twin_engine_config(profile, args: argparse.Namespace):  # noqa: ANN001, ANN2
     return profile.engine_config(long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
-def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int], host: TwinHost) -> Run:
+def twin_run(args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int], host: TwinHost,
+             picks: random.Random) -> Run:
     """The agents' engines on one virtual timeline behind the router's `prefix-aware` profile (its
-    prefix index over the prompts' token blocks, its in-flight counts), every request reaching its
-    engine `host.serving_s` after it is sent, the engines' steps stretched by the cores they share with
-    each other and with the serving work in flight (EMULATION: `loraplex.sim.shared_host`)."""
+    prefix index over the prompts' token blocks, its in-flight counts, its draws from `picks`), every
+    request reaching its engine `host.serving_s` after it is sent, the engines' steps stretched by the
+    cores they share with each other and with the serving work in flight (EMULATION:
+    `loraplex.sim.shared_host`)."""
     from loraplex.sim.shared_host import SharedHost
 
     out, shared = Run(), SharedHost(args.twin_host_cores, host.background)
-    twin = _Twin(args, profile, mode, k, invocation, host, shared, out)
+    twin = _Twin(args, profile, mode, k, invocation, host, shared, out, picks)
     twin.run()
     out.elapsed_s, out.engine_cpu_s = max(s.clock.now() for s in twin.servers), shared.steps_cpu_s
     return out
@@ -318,6 +331,20 @@ class _TwinServer:
     clock: Any  # its ManualClock
     due: list[tuple[float, int, Request]] = field(default_factory=list)  # (arrival at the engine, order, request)
     in_flight: int = 0  # requests the router sent here that have not finished (the router's own count)
+    beats: list[tuple[float, int]] = field(default_factory=list)  # its last heartbeats: (when, its load then)
+    phase: float = 0.0  # its first heartbeat
+
+    def heartbeat(self, now: float, interval: float) -> None:
+        """The agent's heartbeats up to `now`, one every `interval`: its engine's running + waiting
+        requests (`ServerLoad`), as of its last step."""
+        while now >= (self.beats[-1][0] + interval if self.beats else self.phase):
+            at = self.beats[-1][0] + interval if self.beats else self.phase
+            self.beats = [*self.beats[-3:], (at, self.core.scheduler.num_running + self.core.scheduler.num_waiting)]
+
+    def load_seen(self, now: float, poll: float) -> int:
+        """The load of its last heartbeat that the router, reading the registry every `poll`, has read by `now`."""
+        read = now - now % poll
+        return next((load for at, load in reversed(self.beats) if at <= read), 0)
 
 
 class _Twin:
@@ -326,7 +353,9 @@ class _Twin:
     it, else the step of the busy engine furthest behind)."""
 
     def __init__(self, args: argparse.Namespace, profile, mode: str, k: int, invocation: list[int],
-                 measured: TwinHost, host, out: Run) -> None:
+                 measured: TwinHost, host, out: Run, picks: random.Random) -> None:
+        from loraplex_local.flags import StackConfig
+
         from loraplex.routing.pipeline import make_profile, prefix_config
         from loraplex.routing.prefix import PrefixConfig, PrefixIndex
         from loraplex.routing.rank_aware import parse_options
@@ -335,6 +364,7 @@ class _Twin:
         self.args, self.out, self.invocation, self.host = args, out, invocation, host
         self.serving_s, self.serving_cpu_s = measured.serving_s, measured.serving_cpu_s
         self.alora = mode == "alora"
+        self.heartbeat_s = StackConfig().heartbeat_interval_s  # the engine side's stack's
         self.ids = {name: AdapterId(name, "sha256:" + name) for name in checker_names(mode, k)}
         self.servers = []
         for server in range(args.agents):
@@ -343,9 +373,11 @@ class _Twin:
             for adapter in self.ids.values():
                 core.add_adapter(AdapterInfo(adapter, 8, 8 * profile.memory.adapter_bytes_per_rank,
                                              invocation_tokens=tuple(invocation) if self.alora else ()))
-            self.servers.append(_TwinServer(f"twin-{server}", core, clock))
+            # the agents' heartbeats are not in step with each other, nor with the router's reads
+            self.servers.append(_TwinServer(f"twin-{server}", core, clock,
+                                            phase=server * self.heartbeat_s / args.agents))
         options = PrefixConfig.from_options(parse_options(args.routing_option))
-        self.router = make_profile("prefix-aware", random.Random(args.seed), prefix=options)
+        self.router = make_profile("prefix-aware", picks, prefix=options)
         self.index = PrefixIndex(prefix_config(self.router))
         self.block = twin_engine_config(profile, args).block_size
         self.conversation = {s: _ids(("system", s), args.system_tokens) for s in range(args.sessions)}
@@ -375,14 +407,19 @@ class _Twin:
                 self._step(min(busy, key=lambda s: s.clock.now()))
 
     def _step(self, server: _TwinServer) -> None:
+        server.heartbeat(server.clock.now(), self.heartbeat_s)
         for output in server.core.step():
             if output.finished:
                 self._finish(output.request_id, server.clock.now())
 
     def _route(self, adapter: str | None, prompt: list[int], sent: float) -> _TwinServer:
         """The router's pick: prefix-aware over its index of the prompt's blocks (an activated LoRA's:
-        the base model's blocks before the invocation), queue depth its in-flight count or the
-        engine's own, whichever is larger, as the router's snapshot takes it."""
+        the base model's blocks before the invocation), queue depth its in-flight count or the load
+        in the agent's last heartbeat it has read, whichever is larger, as the router's snapshot takes
+        it: the stack's agents beat every `StackConfig.heartbeat_interval_s`, its router reads them
+        every `ROUTER_POLL_INTERVAL_S`, so a load it sees can be 1.5 s old."""
+        from loraplex_local.flags import ROUTER_POLL_INTERVAL_S
+
         from loraplex.routing.pipeline import Candidate, Residency, RouteRequest
         from loraplex.routing.prefix import adapter_seed, alora_token_keys, token_keys
 
@@ -391,8 +428,10 @@ class _Twin:
         else:
             keys = token_keys(adapter_seed(adapter, self.ids[adapter].digest if adapter else ""), prompt, self.block)
         matches = self.index.matches((s.id for s in self.servers), keys, sent)
+        for server in self.servers:
+            server.heartbeat(sent, self.heartbeat_s)
         candidates = [Candidate(s.id, phi=1.0 / len(self.servers), residency=Residency.GPU,
-                                queue_depth=max(s.in_flight, s.core.scheduler.num_running + s.core.scheduler.num_waiting),
+                                queue_depth=max(s.in_flight, s.load_seen(sent, ROUTER_POLL_INTERVAL_S)),
                                 prefix_blocks=matches.get(s.id, 0)) for s in self.servers]
         route = RouteRequest(adapter, 8 if adapter else None, len(prompt), len(keys),
                              alora=adapter is not None and self.alora)
@@ -470,11 +509,10 @@ def run_engine(args: argparse.Namespace, ks: list[int], model: Path, workdir: Pa
         pids = [c.process.pid for c in (*stack.agents.values(), stack.router, stack.redis) if c is not None]
         for k in ks:
             runs: dict[str, list[Run]] = {m: [] for m in MODES}
-            for round_ in range(args.rounds):
-                for mode in MODES if round_ % 2 == 0 else reversed(MODES):
-                    stage(f"engine, k={k}, {mode}, round {round_ + 1} of {args.rounds}")
-                    runs[mode].append(engine_run(stack.router_url, agents, pids, args, words, mode, k,
-                                                 f"{mode} {k} {round_}"))
+            for round_, mode in abba(args.rounds):
+                stage(f"engine, k={k}, {mode}, round {round_ + 1} of {args.rounds}")
+                runs[mode].append(engine_run(stack.router_url, agents, pids, args, words, mode, k,
+                                             f"{mode} {k} {round_}"))
             rows += [pooled("engine", mode, k, r) for mode, r in runs.items()]
             stage(f"engine, k={k}, per request: " + "; ".join(
                 f"{r.mode}: serving path {_ms(r.serving_s)}, serving CPU {_ms(r.serving_cpu_s)}, engine steps' CPU "

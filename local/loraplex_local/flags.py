@@ -18,6 +18,9 @@ STACK_ROUTER_FLAGS = ("--redis-url", "--pool", "--port")
 STACK_AGENT_FLAGS = ("--host", "--port", "--model", "--redis-url", "--pool", "--server-id", "--advertise-url",
                      "--adapter-store", "--heartbeat-interval", "--heartbeat-ttl", "--backend", "--vllm-port",
                      "--vllm-log", "--vllm-python")
+ROUTER_POLL_INTERVAL_S = 0.5  # how often the stack's router reads the registry (the agents' heartbeats)
+
+
 @dataclass
 class StackConfig:
     agents: int = 3

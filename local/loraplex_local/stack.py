@@ -48,7 +48,7 @@ from loraplex.spec.alora import backend_refusal
 from loraplex.spec.crd import API_VERSION, AdapterPool, LoRADeployment, PlacementSpec
 from loraplex.spec.errors import CommandError
 from loraplex.util.clock import WallClock
-from loraplex_local.flags import StackConfig, base_model_folder, config_from_args
+from loraplex_local.flags import ROUTER_POLL_INTERVAL_S, StackConfig, base_model_folder, config_from_args
 from loraplex_local.manifests import (
     ManifestError,
     ManifestFolder,
@@ -406,7 +406,8 @@ class LocalStack:
 
     def _router_argv(self) -> list[str]:
         return [*LORAPLEX, "router", "--redis-url", self.redis_url, "--pool", self.pool,
-                "--port", str(self.config.router_port), "--poll-interval", "0.5", *self.config.router_args]
+                "--port", str(self.config.router_port), "--poll-interval", str(ROUTER_POLL_INTERVAL_S),
+                *self.config.router_args]
 
     def build_controller(self) -> PlacementController:
         """The pool's controller, built as the operator builds it (loraplex.pool.build_controller): its

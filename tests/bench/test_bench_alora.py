@@ -18,7 +18,7 @@ def test_twin_side_reports_alora_checkers_reusing_the_conversation(tmp_path, cap
     assert "| twin | 2 | alora |" in capsys.readouterr().out
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     alora, lora = rows["alora"], rows["lora"]
-    assert alora["pipelines"] == lora["pipelines"] == 4
+    assert alora["pipelines"] == lora["pipelines"] == 8  # the engine side's two rounds, pooled
     assert alora["checker_cached"] > 0.9 * alora["checker_prompt"]  # every checker on the base's KV
     assert lora["checker_cached"] < 0.6 * lora["checker_prompt"]  # only its own earlier turn
     assert alora["checker_ttft_s"] < lora["checker_ttft_s"]
@@ -37,6 +37,25 @@ def test_the_twin_routes_a_fan_out_as_the_router_does(tmp_path) -> None:
     strict = [f"--routing-option={o}"
               for o in ("load_slack=0", "alora_slack=0", "alora_slack_tokens=0", "load_factor=1")]
     assert cached_share(*strict) < cached_share()
+
+
+def test_the_twins_router_sees_an_agents_load_as_of_its_last_heartbeat_it_has_read() -> None:
+    """As the stack's router: the load an agent wrote at its last heartbeat, once a registry read
+    has passed it; the agent's load since then is not seen."""
+    from types import SimpleNamespace
+
+    from loraplex_bench.alora import _TwinServer
+
+    scheduler = SimpleNamespace(num_running=3, num_waiting=2)
+    server = _TwinServer("a", SimpleNamespace(scheduler=scheduler), None, phase=0.3)
+    server.heartbeat(0.2, 1.0)
+    assert server.load_seen(0.2, 0.5) == 0  # no heartbeat yet
+    server.heartbeat(0.4, 1.0)
+    assert server.load_seen(0.4, 0.5) == 0  # written at 0.3, read at 0.5
+    scheduler.num_running = 0
+    assert server.load_seen(0.5, 0.5) == 5 and server.load_seen(1.2, 0.5) == 5
+    server.heartbeat(1.4, 1.0)
+    assert server.load_seen(1.4, 0.5) == 5 and server.load_seen(1.5, 0.5) == 2
 
 
 @pytest.mark.parametrize(("flags", "message"), [(["--ks", "7"], "--ks takes 1 to 6"),
